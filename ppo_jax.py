@@ -1,0 +1,529 @@
+"""Gaussian PPO for massively parallel MJX/Brax simulators, in one file.
+
+    python ppo_jax.py --env CartpoleBalance --preset cpu      # learns on 2 CPU cores in minutes
+    python ppo_jax.py --env humanoid --preset paper           # Brax task, tuned Brax settings
+
+The whole training (environment steps, GAE, epochs x minibatches, evaluation) is one jitted
+function built from `jax.lax.scan`s; the host only receives metrics once per chunk of iterations.
+`--num-seeds K` trains K independent seeds in the same compiled program (vmap).
+
+Choices worth knowing (the same as in trudi_jax.py):
+* Episodes end by termination (no bootstrap) or by the time limit `episode_length` (bootstrapped
+  from the value of the true final observation, never the auto-reset one).
+* Auto-reset draws fresh initial states: one pool of `num_envs` reset states is sampled per
+  iteration, and an environment that finishes takes its slot of that pool.
+* The observation normaliser (running mean/variance) is updated once per iteration, after the
+  update, so the policy that collected a batch is exactly the one the PPO ratio starts from.
+* Policy: tanh-squashed diagonal Gaussian with a state-independent learned log-std (Brax's
+  default); the entropy bonus uses the pre-tanh Gaussian entropy.
+* `--preset paper` maps Brax/Playground's PPO settings onto one rollout per iteration: Brax collects
+  `batch_size * num_minibatches / num_envs` unrolls of `unroll_length` steps per update; we collect
+  one rollout of that many steps, so samples and gradient steps per iteration are the same.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import difflib
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Literal, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: every knob of the algorithm, one frozen dataclass; presets are instances of it.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Config:
+    env: str = "CartpoleBalance"  # task: Playground DM Control (CartpoleBalance, ...) or Brax (humanoid, ...)
+    preset: Literal["cpu", "paper"] = "cpu"  # starting values; explicit flags override them
+    backend: Literal["mjx", "generalized", "positional", "spring"] = "mjx"  # Brax tasks only
+    seed: int = 0  # master seed; seed i of --num-seeds uses fold_in(seed, i)
+    num_seeds: int = 1  # independent seeds trained in one compiled program (vmap)
+    total_steps: int = 1_500_000  # environment steps per seed
+    num_envs: int = 64  # parallel environments
+    rollout_steps: int = 32  # steps per environment per iteration
+    num_minibatches: int = 8  # minibatches per epoch
+    num_epochs: int = 8  # passes over each batch
+    learning_rate: float = 3e-4  # Adam
+    max_grad_norm: float = 1.0  # global gradient-norm clip (0: off)
+    gamma: float = 0.995  # discount
+    gae_lambda: float = 0.95  # GAE lambda
+    clip_eps: float = 0.3  # PPO ratio clip
+    value_coef: float = 0.5  # weight of the value loss
+    entropy_coef: float = 1e-2  # weight of the entropy bonus
+    reward_scale: float = 10.0  # rewards are multiplied by this for learning (not for reporting)
+    normalize_advantage: bool = True  # standardise advantages per minibatch
+    normalize_obs: bool = True  # running mean/variance observation normalisation
+    policy_hidden: tuple[int, ...] = (32, 32, 32, 32)  # policy MLP widths
+    value_hidden: tuple[int, ...] = (256, 256, 256)  # value MLP widths
+    init_log_std: float = 0.0  # initial log-std of the Gaussian
+    episode_length: int = 1000  # time limit (truncation, bootstrapped)
+    num_evals: int = 10  # evaluations (and log lines) over the run
+    num_eval_envs: int = 128  # fresh episodes per evaluation (deterministic policy)
+    out_dir: str = "runs/ppo"  # metrics.csv, config.json, curve.png go here
+    plot: bool = True  # write <out_dir>/curve.png at the end
+
+
+def preset_config(preset: str, env: str) -> Config:
+    """The starting values of a preset for a task; the CLI overrides fields on top of it."""
+    if preset == "cpu":
+        return Config(env=env, preset="cpu")
+    if preset != "paper":
+        raise ValueError(f"unknown preset {preset!r}")
+    if env in brax_task_names():  # Brax's published humanoid/locomotion PPO settings
+        return Config(env=env, preset="paper", total_steps=50_000_000, num_envs=2048, rollout_steps=160,
+                      num_minibatches=32, num_epochs=8, learning_rate=3e-4, gamma=0.97, entropy_coef=1e-3,
+                      reward_scale=0.1, max_grad_norm=0.0, policy_hidden=(32,) * 4, value_hidden=(256,) * 5)
+    # Playground's tuned DM Control settings (dm_control_suite_params.brax_ppo_config)
+    gamma = 0.95 if env in ("BallInCup", "FingerSpin") else 0.995
+    return Config(env=env, preset="paper", total_steps=60_000_000, num_envs=2048, rollout_steps=480,
+                  num_minibatches=32, num_epochs=16, learning_rate=1e-3, gamma=gamma, entropy_coef=1e-2,
+                  reward_scale=10.0, max_grad_norm=0.0, policy_hidden=(32,) * 4, value_hidden=(256,) * 5)
+
+
+def validate(cfg: Config) -> None:
+    """Reject impossible configurations before anything compiles (one line, non-zero exit)."""
+    checks = [
+        (cfg.total_steps > 0, f"--total-steps must be positive, got {cfg.total_steps}"),
+        (cfg.num_envs > 0 and cfg.rollout_steps > 0, "--num-envs and --rollout-steps must be positive"),
+        (cfg.num_seeds > 0, f"--num-seeds must be positive, got {cfg.num_seeds}"),
+        (cfg.num_minibatches > 0 and cfg.num_epochs > 0, "--num-minibatches and --num-epochs must be positive"),
+        ((cfg.num_envs * cfg.rollout_steps) % cfg.num_minibatches == 0,
+         f"batch num_envs*rollout_steps = {cfg.num_envs * cfg.rollout_steps} is not divisible into "
+         f"--num-minibatches {cfg.num_minibatches}"),
+        (cfg.num_evals > 0 and cfg.num_eval_envs > 0, "--num-evals and --num-eval-envs must be positive"),
+        (cfg.episode_length > 0, f"--episode-length must be positive, got {cfg.episode_length}"),
+        (0 < cfg.gamma <= 1 and 0 <= cfg.gae_lambda <= 1, "--gamma must be in (0, 1] and --gae-lambda in [0, 1]"),
+        (cfg.learning_rate > 0, f"--learning-rate must be positive, got {cfg.learning_rate}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment: Playground / Brax task by name, time limit, auto-reset from a fresh pool.
+# ---------------------------------------------------------------------------------------------
+def playground_task_names() -> tuple[str, ...]:
+    from mujoco_playground import registry
+    return tuple(registry.ALL_ENVS)
+
+
+def brax_task_names() -> tuple[str, ...]:
+    from brax import envs
+    return tuple(envs._envs)  # Brax keeps its registry private; this is the only listing
+
+
+class Env(NamedTuple):
+    reset: Callable  # key -> simulator state
+    step: Callable  # (simulator state, action) -> simulator state
+    obs_size: int
+    action_size: int
+
+
+def make_env(name: str, backend: str = "mjx") -> Env:
+    """Load a task by name; an unknown name exits with close matches and no traceback."""
+    playground, brax_names = playground_task_names(), brax_task_names()
+    if name in playground:
+        from mujoco_playground import registry
+        env = registry.load(name, config_overrides={"impl": "jax"})
+    elif name in brax_names:
+        from brax import envs
+        env = envs.get_environment(name, backend=backend)
+    else:
+        close = difflib.get_close_matches(name, playground + brax_names, n=5, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise SystemExit(f"error: unknown env {name!r}{hint} (Playground DM Control e.g. CartpoleBalance, "
+                         f"Brax e.g. humanoid)")
+    obs_size = env.observation_size
+    obs_size = obs_size["state"][0] if isinstance(obs_size, dict) else obs_size
+    return Env(env.reset, env.step, int(np.prod(obs_size)), int(env.action_size))
+
+
+def observation(sim_state) -> jax.Array:
+    obs = sim_state.obs
+    return obs["state"] if isinstance(obs, dict) else obs
+
+
+class EnvState(NamedTuple):
+    sim: Any  # the simulator's own state (batched)
+    t: jax.Array  # steps since the episode started
+    ret: jax.Array  # undiscounted return of the running episode
+
+
+class Step(NamedTuple):
+    reward: jax.Array
+    terminated: jax.Array  # episode ended by the task: no bootstrap
+    truncated: jax.Array  # episode ended by the time limit: bootstrap from final_obs
+    final_obs: jax.Array  # true next observation (before any auto-reset)
+    episode_return: jax.Array  # return of the episode that ended here (valid where done)
+
+
+def env_reset(env: Env, keys: jax.Array) -> EnvState:
+    sim = jax.vmap(env.reset)(keys)
+    zeros = jnp.zeros(keys.shape[0])
+    return EnvState(sim, zeros.astype(jnp.int32), zeros)
+
+
+def env_step(env: Env, state: EnvState, action: jax.Array, reset_pool: EnvState,
+             episode_length: int) -> tuple[EnvState, Step]:
+    """Step all environments; finished ones continue from their slot of a freshly sampled pool."""
+    sim = jax.vmap(env.step)(state.sim, action)
+    t, ret = state.t + 1, state.ret + sim.reward
+    terminated = sim.done > 0
+    truncated = (t >= episode_length) & ~terminated
+    done = terminated | truncated
+    step = Step(sim.reward, terminated.astype(jnp.float32), truncated.astype(jnp.float32), observation(sim), ret)
+
+    def pick(fresh, old):
+        mask = done.reshape(done.shape + (1,) * (old.ndim - 1))
+        return jnp.where(mask, fresh, old)
+
+    next_state = jax.tree.map(pick, reset_pool, EnvState(sim, t, ret))
+    return next_state, step
+
+
+# ---------------------------------------------------------------------------------------------
+# Observation normaliser: running mean / variance (parallel Welford merge).
+# ---------------------------------------------------------------------------------------------
+class Normalizer(NamedTuple):
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array
+
+
+def normalizer_init(size: int) -> Normalizer:
+    return Normalizer(jnp.zeros(size), jnp.ones(size), jnp.zeros(()))
+
+
+def normalizer_update(norm: Normalizer, x: jax.Array) -> Normalizer:
+    """Merge the moments of a batch x[..., size] into the running moments (Chan et al.)."""
+    x = x.reshape(-1, x.shape[-1])
+    n = x.shape[0]
+    batch_mean, batch_var = x.mean(0), x.var(0)
+    total = norm.count + n
+    delta = batch_mean - norm.mean
+    mean = norm.mean + delta * n / total
+    m2 = norm.var * norm.count + batch_var * n + delta**2 * norm.count * n / total
+    return Normalizer(mean, m2 / total, total)
+
+
+def normalize(norm: Normalizer, x: jax.Array, enabled: bool = True) -> jax.Array:
+    if not enabled:
+        return x
+    return (x - norm.mean) / jnp.sqrt(norm.var + 1e-8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Networks: tanh-Gaussian policy and value function.
+# ---------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    hidden: tuple[int, ...]
+    out: int
+    out_scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        for width in self.hidden:
+            x = nn.swish(nn.Dense(width, kernel_init=nn.initializers.lecun_uniform())(x))
+        return nn.Dense(self.out, kernel_init=nn.initializers.variance_scaling(self.out_scale, "fan_in", "uniform"))(x)
+
+
+class Policy(nn.Module):
+    """pi(u|s) = N(mu(s), diag(exp(log_std))^2), action a = tanh(u)."""
+    hidden: tuple[int, ...]
+    action_size: int
+    init_log_std: float
+
+    @nn.compact
+    def __call__(self, obs):
+        mean = MLP(self.hidden, self.action_size, out_scale=0.01)(obs)
+        log_std = self.param("log_std", nn.initializers.constant(self.init_log_std), (self.action_size,))
+        return mean, jnp.broadcast_to(log_std, mean.shape)
+
+
+def gaussian_log_prob(u, mean, log_std):
+    """log N(u; mean, exp(log_std)^2), summed over action dimensions."""
+    z = (u - mean) * jnp.exp(-log_std)
+    return jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+
+
+def gaussian_entropy(log_std):
+    return jnp.sum(log_std + 0.5 * jnp.log(2 * jnp.pi * jnp.e), axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets: generalised advantage estimation with terminations and truncations.
+# ---------------------------------------------------------------------------------------------
+def gae(reward, value, next_value, terminated, truncated, gamma, lam):
+    """Advantages and returns over a rollout [T, ...].
+
+    delta_t = r_t + gamma * (1 - term_t) * V(s'_t) - V(s_t)     (s'_t: true next obs, also at truncation)
+    A_t     = delta_t + gamma * lam * (1 - done_t) * A_{t+1},   done_t = term_t or trunc_t,  A_T = 0
+    """
+    delta = reward + gamma * (1.0 - terminated) * next_value - value
+    done = jnp.maximum(terminated, truncated)
+
+    def backward(adv_next, x):
+        delta_t, done_t = x
+        adv = delta_t + gamma * lam * (1.0 - done_t) * adv_next
+        return adv, adv
+
+    _, advantage = jax.lax.scan(backward, jnp.zeros_like(value[0]), (delta, done), reverse=True)
+    return advantage, advantage + value
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses: clipped surrogate, value regression, entropy bonus.
+# ---------------------------------------------------------------------------------------------
+class Transition(NamedTuple):
+    obs: jax.Array  # raw observation s_t
+    u: jax.Array  # pre-tanh action sample
+    log_prob: jax.Array  # log pi_old(u|s)
+    reward: jax.Array  # scaled reward
+    terminated: jax.Array
+    truncated: jax.Array
+    next_obs: jax.Array  # raw true next observation s'_t
+
+
+class Batch(NamedTuple):
+    obs: jax.Array  # normalised
+    u: jax.Array
+    log_prob: jax.Array
+    advantage: jax.Array
+    target: jax.Array
+
+
+def ppo_loss(params, batch: Batch, policy: Policy, value_net: MLP, cfg: Config):
+    """L = -E[min(r A, clip(r, 1-eps, 1+eps) A)] + c_v E[(V - G)^2]/2 - c_H E[H], r = pi/pi_old."""
+    mean, log_std = policy.apply(params["policy"], batch.obs)
+    log_prob = gaussian_log_prob(batch.u, mean, log_std)  # tanh Jacobian cancels in the ratio
+    ratio = jnp.exp(log_prob - batch.log_prob)
+    adv = batch.advantage
+    if cfg.normalize_advantage:
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+    policy_loss = -surrogate.mean()
+    value = value_net.apply(params["value"], batch.obs)[..., 0]
+    value_loss = 0.5 * jnp.mean((value - batch.target) ** 2)
+    entropy = gaussian_entropy(log_std).mean()
+    loss = policy_loss + cfg.value_coef * value_loss - cfg.entropy_coef * entropy
+    metrics = {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy,
+               "approx_kl": jnp.mean(batch.log_prob - log_prob),
+               "clip_frac": jnp.mean(jnp.abs(ratio - 1) > cfg.clip_eps)}
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Train loop: rollout -> GAE -> epochs x minibatches, all in lax.scan; one chunk = one jit call.
+# ---------------------------------------------------------------------------------------------
+class TrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+    norm: Normalizer
+    env_state: EnvState
+    key: jax.Array
+    iteration: jax.Array
+
+
+def make_train(cfg: Config, env: Env):
+    """Returns pure functions init(key) -> TrainState, chunk(TrainState) -> (TrainState, metrics)."""
+    policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
+    value_net = MLP(cfg.value_hidden, 1)
+    clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    optimizer = optax.chain(*clip, optax.adam(cfg.learning_rate))
+    batch_size = cfg.num_envs * cfg.rollout_steps
+    iters_per_chunk = math.ceil(math.ceil(cfg.total_steps / batch_size) / cfg.num_evals)
+
+    def init(key):
+        k_pi, k_v, k_env, key = jax.random.split(key, 4)
+        dummy = jnp.zeros((1, env.obs_size))
+        params = {"policy": policy.init(k_pi, dummy), "value": value_net.init(k_v, dummy)}
+        env_state = env_reset(env, jax.random.split(k_env, cfg.num_envs))
+        return TrainState(params, optimizer.init(params), normalizer_init(env.obs_size), env_state, key,
+                          jnp.zeros((), jnp.int32))
+
+    def act(params, norm, obs, key):
+        mean, log_std = policy.apply(params["policy"], normalize(norm, obs, cfg.normalize_obs))
+        u = mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
+        return u, gaussian_log_prob(u, mean, log_std)
+
+    def rollout(ts: TrainState, key):
+        k_pool, k_steps = jax.random.split(key)
+        reset_pool = env_reset(env, jax.random.split(k_pool, cfg.num_envs))
+
+        def step(env_state, k):
+            obs = observation(env_state.sim)
+            u, log_prob = act(ts.params, ts.norm, obs, k)
+            env_state, out = env_step(env, env_state, jnp.tanh(u), reset_pool, cfg.episode_length)
+            tr = Transition(obs, u, log_prob, out.reward * cfg.reward_scale, out.terminated, out.truncated,
+                            out.final_obs)
+            done = jnp.maximum(out.terminated, out.truncated)
+            return env_state, (tr, done, out.episode_return * done)
+
+        env_state, (traj, done, returns) = jax.lax.scan(step, ts.env_state, jax.random.split(k_steps, cfg.rollout_steps))
+        return env_state, traj, {"episodes": done.sum(), "return_sum": returns.sum()}
+
+    def update_minibatch(carry, batch: Batch):
+        params, opt_state = carry
+        grads, metrics = jax.grad(ppo_loss, has_aux=True)(params, batch, policy, value_net, cfg)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return (optax.apply_updates(params, updates), opt_state), metrics
+
+    def iteration(ts: TrainState, _):
+        key, k_roll, k_perm = jax.random.split(ts.key, 3)
+        env_state, traj, episode_stats = rollout(ts, k_roll)
+        obs = normalize(ts.norm, traj.obs, cfg.normalize_obs)
+        next_obs = normalize(ts.norm, traj.next_obs, cfg.normalize_obs)
+        value = value_net.apply(ts.params["value"], obs)[..., 0]
+        next_value = value_net.apply(ts.params["value"], next_obs)[..., 0]
+        advantage, target = gae(traj.reward, value, next_value, traj.terminated, traj.truncated,
+                                cfg.gamma, cfg.gae_lambda)
+        flat = jax.tree.map(lambda x: x.reshape((batch_size,) + x.shape[2:]),
+                            Batch(obs, traj.u, traj.log_prob, advantage, target))
+
+        def epoch(carry, k):
+            shuffled = jax.tree.map(lambda x: jax.random.permutation(k, x).reshape(
+                (cfg.num_minibatches, -1) + x.shape[1:]), flat)
+            return jax.lax.scan(update_minibatch, carry, shuffled)
+
+        (params, opt_state), metrics = jax.lax.scan(epoch, (ts.params, ts.opt_state),
+                                                    jax.random.split(k_perm, cfg.num_epochs))
+        metrics = jax.tree.map(jnp.mean, metrics)
+        norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
+        metrics.update(episode_stats)
+        return TrainState(params, opt_state, norm, env_state, key, ts.iteration + 1), metrics
+
+    def chunk(ts: TrainState):
+        ts, metrics = jax.lax.scan(iteration, ts, None, length=iters_per_chunk)
+        episodes, return_sum = metrics.pop("episodes").sum(), metrics.pop("return_sum").sum()
+        metrics = jax.tree.map(jnp.mean, metrics)
+        metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
+        key, k_eval = jax.random.split(ts.key)
+        metrics["eval_return"], metrics["eval_return_std"] = evaluate(ts.params, ts.norm, k_eval)
+        return ts._replace(key=key), metrics
+
+    def evaluate(params, norm, key):
+        """Deterministic policy a = tanh(mu(s)) on fresh episodes; returns mean and std of returns."""
+        return run_episodes(env, lambda obs: jnp.tanh(policy.apply(
+            params["policy"], normalize(norm, obs, cfg.normalize_obs))[0]), key, cfg.num_eval_envs,
+            cfg.episode_length)
+
+    return init, chunk, iters_per_chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation: fresh episodes, no auto-reset, return summed until the first end.
+# ---------------------------------------------------------------------------------------------
+def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_length: int):
+    sim = jax.vmap(env.reset)(jax.random.split(key, num_episodes))
+
+    def step(carry, _):
+        sim, alive, ret = carry
+        sim = jax.vmap(env.step)(sim, actor(observation(sim)))
+        ret = ret + alive * sim.reward
+        return (sim, alive * (1.0 - (sim.done > 0)), ret), None
+
+    (_, _, ret), _ = jax.lax.scan(step, (sim, jnp.ones(num_episodes), jnp.zeros(num_episodes)), None,
+                                  length=episode_length)
+    return ret.mean(), ret.std()
+
+
+# ---------------------------------------------------------------------------------------------
+# Host loop: compile once, run chunks, log progress, write metrics.csv / config.json / curve.png.
+# ---------------------------------------------------------------------------------------------
+def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
+    """Train cfg.num_seeds seeds; returns one metrics row per (log point, seed)."""
+    validate(cfg)
+    env = make_env(cfg.env, cfg.backend)
+    init, chunk, iters_per_chunk = make_train(cfg, env)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
+    ts = jax.jit(jax.vmap(init))(keys)
+    start = time.perf_counter()
+    compiled = jax.jit(jax.vmap(chunk), donate_argnums=0).lower(ts).compile()
+    compile_s = time.perf_counter() - start
+    log(f"[ppo {cfg.env}] compiled the training program in {compile_s:.1f} s")
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg) | {"compile_s": compile_s, "jax": jax.__version__,
+                                             "device": str(jax.devices()[0])}, f, indent=2)
+    steps_per_chunk = iters_per_chunk * cfg.num_envs * cfg.rollout_steps
+    rows, wall = [], 0.0
+    for i in range(cfg.num_evals):
+        start = time.perf_counter()
+        ts, metrics = compiled(ts)
+        metrics = jax.device_get(metrics)
+        dt = time.perf_counter() - start
+        wall += dt
+        env_steps = (i + 1) * steps_per_chunk
+        sps = steps_per_chunk * cfg.num_seeds / dt
+        for s in range(cfg.num_seeds):
+            row = {"env_steps": env_steps, "seed": cfg.seed if cfg.num_seeds == 1 else s, "wall_s": round(wall, 3),
+                   "steps_per_sec": round(sps, 1)}
+            row.update({k: float(v[s]) for k, v in metrics.items()})
+            rows.append(row)
+        eta = (cfg.num_evals - i - 1) * wall / (i + 1)
+        log(f"[ppo {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
+            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.nanmean(metrics['train_return']):.1f} | "
+            f"ETA {eta:.0f} s")
+        write_csv(os.path.join(cfg.out_dir, "metrics.csv"), rows)
+    if cfg.plot:
+        plot_curve(rows, os.path.join(cfg.out_dir, "curve.png"), f"PPO on {cfg.env}")
+    return rows
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """Write atomically: a crash mid-write leaves the previous file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def plot_curve(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for seed in sorted({r["seed"] for r in rows}):
+        pts = [(r["env_steps"], r["eval_return"]) for r in rows if r["seed"] == seed]
+        ax.plot(*zip(*pts), marker="o", label=f"seed {seed}")
+    ax.set(xlabel="environment steps", ylabel="evaluation return", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_config(argv: list[str]) -> Config:
+    """tyro CLI on top of the preset chosen by --preset/--env, so explicit flags override the preset."""
+    def peek(flag, default):
+        for i, arg in enumerate(argv):
+            if arg == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+        return default
+    preset, env = peek("--preset", "cpu"), peek("--env", Config.env)
+    if preset not in ("cpu", "paper"):
+        raise SystemExit(f"error: unknown preset {preset!r}; choose cpu or paper")
+    return tyro.cli(Config, default=preset_config(preset, env), args=argv)
+
+
+if __name__ == "__main__":
+    train(parse_config(sys.argv[1:]))

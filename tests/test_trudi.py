@@ -1,0 +1,252 @@
+"""Tests of trudi_jax.py that mirror the equations of TRUDI.md, one test per equation or invariant."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import trudi_jax as T
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OBS, ACT = 5, 2
+
+
+def small_config(**kw):
+    base = dict(actor_hidden=(16, 16), critic_hidden=(16, 16), num_bins=21, num_diffusion_steps=4, num_old_chains=3)
+    return T.Config(**(base | kw))
+
+
+def perturbed(params, key, scale=0.3):
+    """Every leaf moved by N(0, scale^2): a generic 'new' policy."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 1: kernels, schedule, path log-probability.
+# ---------------------------------------------------------------------------------------------
+def test_kernel_log_prob_matches_scipy():
+    rng = np.random.default_rng(0)
+    x, mean, var = rng.normal(size=10), rng.normal(size=10), rng.uniform(0.1, 2.0, size=10)
+    np.testing.assert_allclose(T.gaussian_log_pdf(x, mean, var), stats.norm.logpdf(x, mean, np.sqrt(var)), rtol=1e-5)
+
+
+def test_chain_log_prob_matches_hand_computed_one_step_chain():
+    """N = 1: log N(x0; 0, s0^2) + log N(x1; mu0, 2 eta) - log N(x0; x1 + eta f(x1), 2 eta) - log(1 - tanh(x1)^2)."""
+    s0, eta, u = 2.5, 0.7, 0.4
+    x0, x1 = np.array([[0.3]]), np.array([[1.1]])
+    mu0 = x0 + eta * (-x0 / s0**2 + u)
+    chain = T.Chain(jnp.array([x0, x1]), jnp.array([mu0]), jnp.array([[eta]]))
+    expected = (stats.norm.logpdf(x0, 0, s0) + stats.norm.logpdf(x1, mu0, np.sqrt(2 * eta))
+                - stats.norm.logpdf(x0, x1 - eta * x1 / s0**2, np.sqrt(2 * eta)) - np.log(1 - np.tanh(x1) ** 2 + 1e-6))
+    np.testing.assert_allclose(T.chain_log_prob(chain, s0), expected[:, 0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["uniform", "cosine"])
+def test_time_steps_sum_to_total_time(schedule):
+    dt = T.time_steps(8, 1.5, schedule)
+    assert dt.shape == (8,) and np.all(dt > 0)
+    np.testing.assert_allclose(dt.sum(), 1.5, rtol=1e-6)
+    if schedule == "cosine":
+        assert dt[-1] < dt[0]  # smaller steps near the end of the chain
+
+
+def linear_chain_log_probs(k, b, num=100_000, N=8, s0=2.5):
+    """Estimator log pi_hat(x_N) (without the tanh term) and the exact log-density of x_N for u(x) = k x + b."""
+    eta = T.time_steps(N, 1.0, "cosine")[:, None]
+    k0, k1 = jax.random.split(jax.random.PRNGKey(0))
+    x0 = s0 * jax.random.normal(k0, (num, 1))
+    chain = T.run_chain(lambda x, n: k * x + b, x0, jax.random.normal(k1, (N, num, 1)), eta, s0)
+    estimate = T.chain_log_prob(chain, s0) + jnp.log(1 - jnp.tanh(chain.xs[-1][:, 0]) ** 2 + 1e-6)
+    m, v = 0.0, s0**2  # x_{n+1} = c_n x_n + eta_n b + sqrt(2 eta_n) eps,  c_n = 1 + eta_n (k - 1/s0^2)
+    for e in np.asarray(eta[:, 0]):
+        c = 1 + e * (k - 1 / s0**2)
+        m, v = c * m + e * b, c**2 * v + 2 * e
+    exact = stats.norm.logpdf(np.asarray(chain.xs[-1][:, 0]), m, np.sqrt(v))
+    return np.asarray(estimate), exact
+
+
+@pytest.mark.parametrize("k,b", [(0.0, 0.0), (0.0, 1.0), (0.5, 0.0), (-2.0, 0.5)])
+def test_log_prob_estimator_upper_bounds_exact_linear_gaussian(k, b):
+    """E[log pi_hat] >= E[log pi] (the gap is KL(forward posterior || B) >= 0)."""
+    estimate, exact = linear_chain_log_probs(k, b)
+    gap = estimate.mean() - exact.mean()
+    stderr = (estimate - exact).std() / np.sqrt(len(exact))
+    assert gap > -3 * stderr
+
+
+def test_log_prob_estimator_gap_small_near_zero_control_and_growing():
+    gaps = []
+    for k, b in [(0.0, 0.0), (0.0, 0.3), (0.0, 1.0), (-2.0, 1.0)]:
+        estimate, exact = linear_chain_log_probs(k, b)
+        gaps.append(estimate.mean() - exact.mean())
+    assert abs(gaps[0]) < 1e-3  # the zero-control chain is reversible w.r.t. B up to Monte Carlo error
+    assert gaps[0] < gaps[1] < gaps[2] < gaps[3]
+
+
+def test_untrained_policy_is_the_prior_chain():
+    cfg = small_config()
+    actor = T.make_diffusion_actor(cfg, OBS, ACT)
+    params = actor.init(jax.random.PRNGKey(0))
+    obs = jax.random.normal(jax.random.PRNGKey(1), (64, OBS))
+    u = T.ControlNet(cfg.actor_hidden, ACT, cfg.control_clip).apply(params["control"], jnp.ones((64, ACT)), obs,
+                                                                      jnp.ones((64, 8)))
+    assert np.all(np.asarray(u) == 0.0)
+    np.testing.assert_allclose(jax.nn.softplus(params["friction"]), 1.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 2: the trust region over the whole chain.
+# ---------------------------------------------------------------------------------------------
+def test_closed_form_step_kl_matches_monte_carlo():
+    m0, v0, m1, v1 = 0.3, 0.5, -0.4, 1.7
+    x = np.random.default_rng(0).normal(m0, np.sqrt(v0), size=1_000_000)
+    monte_carlo = np.mean(stats.norm.logpdf(x, m0, np.sqrt(v0)) - stats.norm.logpdf(x, m1, np.sqrt(v1)))
+    np.testing.assert_allclose(T.gaussian_kl(m0, v0, m1, v1), monte_carlo, rtol=1e-2)
+
+
+@pytest.mark.parametrize("actor_kind", ["diffusion", "gaussian"])
+@pytest.mark.parametrize("kl_mode", ["full", "mean"])
+def test_chain_kl_zero_when_unchanged_and_positive_after_change(actor_kind, kl_mode):
+    cfg = small_config(actor=actor_kind, kl_mode=kl_mode)
+    actor = T.make_actor(cfg, OBS, ACT)
+    params = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))  # non-zero control
+    obs = jax.random.normal(jax.random.PRNGKey(2), (32, OBS))
+    same = actor.trust_region_kl(params, params, obs, jax.random.PRNGKey(3))
+    changed = actor.trust_region_kl(params, perturbed(params, jax.random.PRNGKey(4), 0.1), obs, jax.random.PRNGKey(3))
+    assert same.shape == (32,)
+    np.testing.assert_allclose(same, 0.0, atol=1e-6)
+    assert np.all(np.asarray(changed) > 0)
+
+
+def test_chain_kl_includes_variance_terms_of_learned_friction():
+    cfg = small_config()
+    actor = T.make_diffusion_actor(cfg, OBS, ACT)
+    params = actor.init(jax.random.PRNGKey(0))
+    new = dict(params, friction=params["friction"] + 0.5)  # only eta changes; the means change too
+    obs = jax.random.normal(jax.random.PRNGKey(2), (16, OBS))
+    full = actor.trust_region_kl(params, new, obs, jax.random.PRNGKey(3))
+    mean_only = T.make_diffusion_actor(small_config(kl_mode="mean"), OBS, ACT).trust_region_kl(
+        params, new, obs, jax.random.PRNGKey(3))
+    assert np.all(np.asarray(full) > np.asarray(mean_only))
+
+
+def test_chain_kl_is_sum_over_steps_of_closed_form_kl():
+    eta_old, eta_new = jnp.array([[0.2], [0.1]]), jnp.array([[0.3], [0.05]])
+    old = T.Chain(jnp.zeros((3, 1, 1)), jnp.array([[[0.5]], [[-1.0]]]), eta_old)
+    new_means = jnp.array([[[0.1]], [[-0.2]]])
+    expected = sum(T.gaussian_kl(old.means[n, 0, 0], 2 * eta_old[n, 0], new_means[n, 0, 0], 2 * eta_new[n, 0])
+                   for n in range(2))
+    np.testing.assert_allclose(T.chain_kl(old, new_means, eta_new)[0], expected, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 3: critic targets.
+# ---------------------------------------------------------------------------------------------
+def test_hl_gauss_target_sums_to_one_and_recovers_scalar():
+    vmin, vmax, bins = 0.0, 150.0, 151
+    y = jnp.array([3.0, 10.2, 77.7, 140.5])
+    probs = T.hl_gauss(y, vmin, vmax, bins)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose((probs * jnp.linspace(vmin, vmax, bins)).sum(-1), y, atol=1e-3)
+    assert np.all(np.asarray(probs) >= 0)
+
+
+def soft_lambda_return_reference(r, v, term, trunc, gamma, lam):
+    T_, B = r.shape
+    g = np.zeros((T_, B))
+    for b in range(B):
+        g_next = v[-1, b]
+        for t in reversed(range(T_)):
+            if trunc[t, b]:
+                tail = v[t, b]
+            elif term[t, b]:
+                tail = 0.0
+            else:
+                tail = lam * g_next + (1 - lam) * v[t, b]
+            g[t, b] = g_next = r[t, b] + gamma * tail
+    return g
+
+
+def test_soft_lambda_return_matches_python_reference():
+    rng = np.random.default_rng(0)
+    r, v = rng.normal(size=(9, 4)), rng.normal(size=(9, 4))
+    term = (rng.uniform(size=(9, 4)) < 0.15).astype(np.float32)
+    trunc = ((rng.uniform(size=(9, 4)) < 0.15) & (term == 0)).astype(np.float32)
+    trunc[-1, 0], term[-1, 1] = 1.0, 1.0  # the last step: truncated / terminated / open
+    got = T.soft_lambda_return(jnp.array(r), jnp.array(v), jnp.array(term), jnp.array(trunc), 0.97, 0.9)
+    np.testing.assert_allclose(got, soft_lambda_return_reference(r, v, term, trunc, 0.97, 0.9), rtol=1e-5, atol=1e-5)
+
+
+def test_soft_lambda_return_bootstraps_truncation_not_termination():
+    r, v = jnp.ones((1, 2)), jnp.full((1, 2), 10.0)
+    g = T.soft_lambda_return(r, v, jnp.array([[0.0, 1.0]]), jnp.array([[1.0, 0.0]]), 0.9, 0.95)
+    np.testing.assert_allclose(g[0], [1 + 0.9 * 10, 1.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 4: the gated actor loss and its gradients.
+# ---------------------------------------------------------------------------------------------
+def test_gate_state_outside_trust_region_contributes_only_beta_kl():
+    log_prob, q, kl = jnp.array([-1.0, -1.0]), jnp.array([5.0, 5.0]), jnp.array([0.05, 0.3])
+    alpha, beta, eps = 0.2, 3.0, 0.1
+    loss = T.gated_objective(log_prob, q, kl, alpha, beta, eps)
+    np.testing.assert_allclose(loss, [alpha * -1.0 - 5.0, beta * 0.3], rtol=1e-6)
+    grads = jax.grad(lambda lp, qq: T.gated_objective(lp, qq, kl, alpha, beta, eps).sum(), argnums=(0, 1))(log_prob, q)
+    assert grads[0][1] == 0 and grads[1][1] == 0  # outside: no pull from Q or the entropy
+    assert grads[0][0] == alpha and grads[1][0] == -1
+
+
+def test_gradients_reach_every_denoising_step():
+    """d a / d u_n != 0 for every step n: the pathwise gradient flows through the whole chain."""
+    N = 6
+    eta = T.time_steps(N, 1.0, "cosine")[:, None] * jnp.ones((1, ACT))
+    x0 = jax.random.normal(jax.random.PRNGKey(0), (4, ACT))
+    noise = jax.random.normal(jax.random.PRNGKey(1), (N, 4, ACT))
+
+    def final_action(offsets):
+        chain = T.run_chain(lambda x, n: jnp.sin(x) + offsets[n], x0, noise, eta, 2.5)
+        return jnp.tanh(chain.xs[-1]).sum()
+
+    grads = jax.grad(final_action)(jnp.zeros((N, ACT)))
+    assert np.all(np.abs(np.asarray(grads)) > 1e-4)
+
+
+def test_actor_loss_gradient_reaches_control_net_friction_and_duals():
+    cfg = small_config()
+    actor, critic = T.make_diffusion_actor(cfg, OBS, ACT), T.Critic(cfg.critic_hidden, cfg.num_bins)
+    policy = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1), 0.1)
+    params = {"policy": policy, "log_alpha": jnp.log(0.1), "log_beta": jnp.log(0.1)}
+    critic_params = critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
+    obs = jax.random.normal(jax.random.PRNGKey(3), (16, OBS))
+    batch = T.Batch(obs, jnp.zeros((16, ACT)), jnp.zeros(16), jnp.zeros(16), obs, jnp.zeros((16, ACT)), jnp.ones(16))
+    grads, metrics = jax.grad(T.actor_loss, has_aux=True)(
+        params, perturbed(policy, jax.random.PRNGKey(5), 0.05), critic_params, batch, jax.random.PRNGKey(4), actor,
+        critic, cfg, ACT)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert np.any(np.asarray(g) != 0), f"no gradient reaches {jax.tree_util.keystr(path)}"
+    assert metrics["kl"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: bad input is rejected with one line and a non-zero exit, before anything compiles.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,needle", [
+    (["--env", "HumanoidWalkk"], "HumanoidWalk"),
+    (["--num-envs", "10", "--rollout-steps", "3", "--num-minibatches", "4"], "not divisible"),
+    (["--total-steps", "-5"], "--total-steps"),
+    (["--preset", "huge"], "preset"),
+])
+def test_cli_rejects_bad_input_with_one_line(args, needle, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "trudi_jax.py", *args, "--out-dir", str(out)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()

@@ -1,0 +1,818 @@
+"""TruDi: Trust-region Diffusion Policies for massively parallel on-policy RL, in one file.
+
+    python trudi_jax.py --env CartpoleBalance --preset cpu     # learns on 2 CPU cores in minutes
+    python trudi_jax.py --env HumanoidWalk --preset paper      # the paper's settings (accelerator)
+    python trudi_jax.py --actor gaussian ...                   # REPPO: the same method, tanh-Gaussian actor
+
+Every iteration collects a fresh batch with the current policy (no replay buffer), fits a
+distributional critic on soft lambda-returns, then improves the policy with pathwise gradients
+through the whole denoising chain, inside a trust region on the KL between the entire denoising
+trajectories of the old and the new policy (arXiv 2606.15260; skeleton of REPPO, arXiv 2507.11019).
+Environment steps, targets, epochs x minibatches and evaluation are one jitted `jax.lax.scan`
+program; the host receives metrics once per chunk of iterations. `--num-seeds K` vmaps K seeds.
+
+Choices this file makes where the specification leaves them open:
+* Time limits are bootstrapped from the true final observation; terminations are not. Auto-reset
+  draws fresh initial states from a pool of `num_envs` reset states sampled once per iteration.
+* The observation normaliser is updated once per iteration after the update, so the policy that
+  collected the batch is exactly the "old" policy of the trust region.
+* The control net's output is soft-clipped, `c * tanh(u / c)` with c = `control_clip`, so it keeps a
+  gradient everywhere; its last layer starts at zero, so the untrained policy is the prior chain.
+* The K old-policy chains of the trust region are drawn afresh per minibatch (`--num-old-chains`).
+* `V(s')` for the lambda-returns averages Q over `num_action_samples` fresh chains at s'; the first
+  of them also serves as the next action a' wherever the rollout has none (truncation, last step).
+* The auxiliary self-predictive loss (next embedding and reward) is masked where the episode ended
+  and at the last rollout step (no next action there).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import difflib
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Literal, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: every knob of the algorithm, one frozen dataclass; presets are instances of it.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Config:
+    env: str = "CartpoleBalance"  # task: Playground DM Control (CartpoleBalance, ...) or Brax (humanoid, ...)
+    preset: Literal["cpu", "paper"] = "cpu"  # starting values; explicit flags override them
+    backend: Literal["mjx", "generalized", "positional", "spring"] = "mjx"  # Brax tasks only
+    actor: Literal["diffusion", "gaussian"] = "diffusion"  # gaussian: tanh-Gaussian actor (= REPPO)
+    seed: int = 0  # master seed; seed i of --num-seeds uses fold_in(seed, i)
+    num_seeds: int = 1  # independent seeds trained in one compiled program (vmap)
+    total_steps: int = 1_000_000  # environment steps per seed
+    num_envs: int = 128  # parallel environments
+    rollout_steps: int = 32  # steps per environment per iteration
+    num_minibatches: int = 8  # minibatches per epoch
+    num_epochs: int = 8  # passes over each batch
+    learning_rate: float = 3e-4  # Adam, actor and critic
+    max_grad_norm: float = 0.5  # global gradient-norm clip
+    gamma: float = 0.99  # discount
+    td_lambda: float = 0.95  # lambda of the soft lambda-returns
+    reward_scale: float = 1.0  # rewards are multiplied by this for learning (not for reporting)
+    # trust region and dual variables
+    kl_bound: float = 0.1  # epsilon: per-state KL bound of the gate
+    kl_mode: Literal["full", "mean"] = "full"  # full Gaussian KL per step, or its mean term only
+    num_old_chains: int = 4  # K: old-policy chains per state for the KL c(s)
+    kl_start: float = 0.01  # initial beta (KL multiplier)
+    ent_start: float = 0.01  # initial alpha (entropy temperature)
+    ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
+    # diffusion chain
+    num_diffusion_steps: int = 8  # N denoising steps
+    prior_std: float = 2.5  # sigma0 of x0 ~ N(0, sigma0^2 I)
+    total_time: float = 1.0  # T: the step sizes sum to T
+    schedule: Literal["cosine", "uniform"] = "cosine"  # step sizes dt_n
+    control_clip: float = 50.0  # soft bound on the control net's output
+    # evaluation
+    eval_mode: Literal["ode", "stochastic"] = "ode"  # noise-free chain (ode) or the training chain
+    eval_prior_start: bool = False  # ode mode: x0 from the prior instead of x0 = 0
+    ode_coef: float = 1.0  # control scale of the noise-free chain
+    # critic
+    num_bins: int = 151  # atoms of the categorical Q
+    vmin: float = 0.0  # support of Q
+    vmax: float = 150.0
+    hl_gauss_std: float = 0.75  # HL-Gauss target std, in bin widths
+    aux_coef: float = 1.0  # weight of the self-predictive auxiliary loss
+    num_action_samples: int = 2  # M: actions averaged for V(s') in the targets
+    # networks
+    actor_hidden: tuple[int, ...] = (64, 64)  # control net (or Gaussian actor) widths
+    critic_hidden: tuple[int, ...] = (128, 128)  # critic encoder widths (the heads use the last width)
+    normalize_obs: bool = True  # running mean/variance observation normalisation
+    episode_length: int = 1000  # time limit (truncation, bootstrapped)
+    num_evals: int = 10  # evaluations (and log lines) over the run
+    num_eval_envs: int = 64  # fresh episodes per evaluation
+    out_dir: str = "runs/trudi"  # metrics.csv, config.json, curve.png go here
+    plot: bool = True  # write <out_dir>/curve.png at the end
+
+
+def preset_config(preset: str, env: str) -> Config:
+    """The starting values of a preset for a task family (TRUDI.md section 6); flags override them."""
+    if preset == "cpu":
+        return Config(env=env, preset="cpu")
+    if preset != "paper":
+        raise ValueError(f"unknown preset {preset!r}")
+    paper = dict(env=env, preset="paper", total_steps=50_000_000, num_envs=1024, rollout_steps=32,
+                 num_minibatches=16, num_epochs=8, learning_rate=3e-4, max_grad_norm=0.5, gamma=0.99,
+                 td_lambda=0.95, kl_bound=0.1, num_old_chains=4, num_action_samples=2,
+                 actor_hidden=(512, 512, 512), critic_hidden=(512, 512), num_eval_envs=128)
+    if env in brax_task_names():  # Brax: reward x0.1, early termination (the task's own)
+        paper.update(reward_scale=0.1, vmax=200.0 if env.startswith("humanoid") else 150.0)
+    elif env.startswith("Humanoid"):  # Playground humanoids: the usual REPPO choices
+        paper.update(gamma=0.97, critic_hidden=(1024, 1024))
+    return Config(**paper)
+
+
+def validate(cfg: Config) -> None:
+    """Reject impossible configurations before anything compiles (one line, non-zero exit)."""
+    checks = [
+        (cfg.total_steps > 0, f"--total-steps must be positive, got {cfg.total_steps}"),
+        (cfg.num_envs > 0 and cfg.rollout_steps > 0, "--num-envs and --rollout-steps must be positive"),
+        (cfg.num_seeds > 0, f"--num-seeds must be positive, got {cfg.num_seeds}"),
+        (cfg.num_minibatches > 0 and cfg.num_epochs > 0, "--num-minibatches and --num-epochs must be positive"),
+        ((cfg.num_envs * cfg.rollout_steps) % cfg.num_minibatches == 0,
+         f"batch num_envs*rollout_steps = {cfg.num_envs * cfg.rollout_steps} is not divisible into "
+         f"--num-minibatches {cfg.num_minibatches}"),
+        (cfg.num_diffusion_steps > 0, f"--num-diffusion-steps must be positive, got {cfg.num_diffusion_steps}"),
+        (cfg.num_old_chains > 0 and cfg.num_action_samples > 0,
+         "--num-old-chains and --num-action-samples must be positive"),
+        (cfg.kl_bound > 0, f"--kl-bound must be positive, got {cfg.kl_bound}"),
+        (cfg.vmax > cfg.vmin and cfg.num_bins > 1, "--vmax must exceed --vmin and --num-bins must exceed 1"),
+        (cfg.num_evals > 0 and cfg.num_eval_envs > 0, "--num-evals and --num-eval-envs must be positive"),
+        (cfg.episode_length > 0, f"--episode-length must be positive, got {cfg.episode_length}"),
+        (0 < cfg.gamma <= 1 and 0 <= cfg.td_lambda <= 1, "--gamma must be in (0, 1] and --td-lambda in [0, 1]"),
+        (cfg.learning_rate > 0 and cfg.prior_std > 0 and cfg.total_time > 0,
+         "--learning-rate, --prior-std and --total-time must be positive"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment: Playground / Brax task by name, time limit, auto-reset from a fresh pool.
+# ---------------------------------------------------------------------------------------------
+def playground_task_names() -> tuple[str, ...]:
+    from mujoco_playground import registry
+    return tuple(registry.ALL_ENVS)
+
+
+def brax_task_names() -> tuple[str, ...]:
+    from brax import envs
+    return tuple(envs._envs)  # Brax keeps its registry private; this is the only listing
+
+
+class Env(NamedTuple):
+    reset: Callable  # key -> simulator state
+    step: Callable  # (simulator state, action) -> simulator state
+    obs_size: int
+    action_size: int
+
+
+def make_env(name: str, backend: str = "mjx") -> Env:
+    """Load a task by name; an unknown name exits with close matches and no traceback."""
+    playground, brax_names = playground_task_names(), brax_task_names()
+    if name in playground:
+        from mujoco_playground import registry
+        env = registry.load(name, config_overrides={"impl": "jax"})
+    elif name in brax_names:
+        from brax import envs
+        env = envs.get_environment(name, backend=backend)
+    else:
+        close = difflib.get_close_matches(name, playground + brax_names, n=5, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise SystemExit(f"error: unknown env {name!r}{hint} (Playground DM Control e.g. CartpoleBalance, "
+                         f"Brax e.g. humanoid)")
+    obs_size = env.observation_size
+    obs_size = obs_size["state"][0] if isinstance(obs_size, dict) else obs_size
+    return Env(env.reset, env.step, int(np.prod(obs_size)), int(env.action_size))
+
+
+def observation(sim_state) -> jax.Array:
+    obs = sim_state.obs
+    return obs["state"] if isinstance(obs, dict) else obs
+
+
+class EnvState(NamedTuple):
+    sim: Any  # the simulator's own state (batched)
+    t: jax.Array  # steps since the episode started
+    ret: jax.Array  # undiscounted return of the running episode
+
+
+class Step(NamedTuple):
+    reward: jax.Array
+    terminated: jax.Array  # episode ended by the task: no bootstrap
+    truncated: jax.Array  # episode ended by the time limit: bootstrap from final_obs
+    final_obs: jax.Array  # true next observation (before any auto-reset)
+    episode_return: jax.Array  # return of the episode that ended here (valid where done)
+
+
+def env_reset(env: Env, keys: jax.Array) -> EnvState:
+    sim = jax.vmap(env.reset)(keys)
+    zeros = jnp.zeros(keys.shape[0])
+    return EnvState(sim, zeros.astype(jnp.int32), zeros)
+
+
+def env_step(env: Env, state: EnvState, action: jax.Array, reset_pool: EnvState,
+             episode_length: int) -> tuple[EnvState, Step]:
+    """Step all environments; finished ones continue from their slot of a freshly sampled pool."""
+    sim = jax.vmap(env.step)(state.sim, action)
+    t, ret = state.t + 1, state.ret + sim.reward
+    terminated = sim.done > 0
+    truncated = (t >= episode_length) & ~terminated
+    done = terminated | truncated
+    step = Step(sim.reward, terminated.astype(jnp.float32), truncated.astype(jnp.float32), observation(sim), ret)
+
+    def pick(fresh, old):
+        mask = done.reshape(done.shape + (1,) * (old.ndim - 1))
+        return jnp.where(mask, fresh, old)
+
+    return jax.tree.map(pick, reset_pool, EnvState(sim, t, ret)), step
+
+
+# ---------------------------------------------------------------------------------------------
+# Observation normaliser: running mean / variance (parallel Welford merge).
+# ---------------------------------------------------------------------------------------------
+class Normalizer(NamedTuple):
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array
+
+
+def normalizer_init(size: int) -> Normalizer:
+    return Normalizer(jnp.zeros(size), jnp.ones(size), jnp.zeros(()))
+
+
+def normalizer_update(norm: Normalizer, x: jax.Array) -> Normalizer:
+    """Merge the moments of a batch x[..., size] into the running moments (Chan et al.)."""
+    x = x.reshape(-1, x.shape[-1])
+    n = x.shape[0]
+    batch_mean, batch_var = x.mean(0), x.var(0)
+    total = norm.count + n
+    delta = batch_mean - norm.mean
+    mean = norm.mean + delta * n / total
+    m2 = norm.var * norm.count + batch_var * n + delta**2 * norm.count * n / total
+    return Normalizer(mean, m2 / total, total)
+
+
+def normalize(norm: Normalizer, x: jax.Array, enabled: bool = True) -> jax.Array:
+    if not enabled:
+        return x
+    return (x - norm.mean) / jnp.sqrt(norm.var + 1e-8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Networks: control net u_theta(x, s, n), Gaussian actor (REPPO), distributional critic.
+# ---------------------------------------------------------------------------------------------
+class LayerNormMLP(nn.Module):
+    """Dense -> LayerNorm -> swish per hidden layer, then a linear output (zero-initialised if asked)."""
+    hidden: tuple[int, ...]
+    out: int
+    zero_init_out: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        for width in self.hidden:
+            x = nn.swish(nn.LayerNorm()(nn.Dense(width)(x)))
+        init = nn.initializers.zeros if self.zero_init_out else nn.initializers.lecun_normal()
+        return nn.Dense(self.out, kernel_init=init)(x)
+
+
+class ControlNet(nn.Module):
+    """u_theta(x, s, n) = c * tanh(MLP([x, s, embed(n)]) / c); starts at exactly zero."""
+    hidden: tuple[int, ...]
+    action_size: int
+    clip: float
+
+    @nn.compact
+    def __call__(self, x, obs, step_embedding):
+        u = LayerNormMLP(self.hidden, self.action_size, zero_init_out=True)(
+            jnp.concatenate([x, obs, step_embedding], axis=-1))
+        return self.clip * jnp.tanh(u / self.clip)
+
+
+class GaussianActor(nn.Module):
+    """pi(u|s) = N(mu(s), diag(sigma(s))^2), log sigma in [-5, 2]; action a = tanh(u)."""
+    hidden: tuple[int, ...]
+    action_size: int
+
+    @nn.compact
+    def __call__(self, obs):
+        mean, raw = jnp.split(LayerNormMLP(self.hidden, 2 * self.action_size)(obs), 2, axis=-1)
+        return mean, -5.0 + 3.5 * (jnp.tanh(raw) + 1.0)
+
+
+class Critic(nn.Module):
+    """phi(s, a) embedding -> categorical Q logits over the atoms, plus the self-predictive head."""
+    hidden: tuple[int, ...]
+    num_bins: int
+
+    def setup(self):
+        self.encoder = LayerNormMLP(self.hidden[:-1], self.hidden[-1])
+        self.q_head = LayerNormMLP((self.hidden[-1],), self.num_bins)
+        self.aux_head = LayerNormMLP((self.hidden[-1],), self.hidden[-1] + 1)
+
+    def __call__(self, obs, action):
+        z = self.embed(obs, action)
+        return self.q_head(z), z
+
+    def embed(self, obs, action):
+        return self.encoder(jnp.concatenate([obs, action], axis=-1))
+
+    def predict(self, z):
+        """Predicted next embedding and reward from phi(s_t, a_t)."""
+        out = self.aux_head(z)
+        return out[..., :-1], out[..., -1]
+
+    def all_heads(self, obs, action):
+        """Touches every head, so that init creates all parameters."""
+        logits, z = self(obs, action)
+        return logits, self.predict(z)
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy: the controlled Langevin chain, its path log-probability and the whole-chain KL.
+# ---------------------------------------------------------------------------------------------
+def gaussian_log_pdf(x, mean, var):
+    """log N(x; mean, var), elementwise."""
+    return -0.5 * ((x - mean) ** 2 / var + jnp.log(2 * jnp.pi * var))
+
+
+def gaussian_kl(mean0, var0, mean1, var1):
+    """KL(N(mean0, var0) || N(mean1, var1)), elementwise."""
+    return 0.5 * (jnp.log(var1 / var0) + (var0 + (mean0 - mean1) ** 2) / var1 - 1.0)
+
+
+def time_steps(num_steps: int, total_time: float, schedule: str) -> jax.Array:
+    """dt_n summing to T: uniform T/N, or cosine t_n = T sin(pi n / 2N) (smaller steps at the end)."""
+    if schedule == "uniform":
+        return jnp.full(num_steps, total_time / num_steps)
+    t = total_time * jnp.sin(jnp.pi * jnp.arange(num_steps + 1) / (2 * num_steps))
+    return jnp.diff(t)
+
+
+def step_embedding(num_steps: int) -> jax.Array:
+    """Fourier features of the step index n / N, shape [N, 8]."""
+    phase = jnp.arange(num_steps)[:, None] / num_steps * jnp.pi * 2.0 ** jnp.arange(4)[None]
+    return jnp.concatenate([jnp.sin(phase), jnp.cos(phase)], axis=-1)
+
+
+def prior_drift(x, prior_std):
+    """f(x) = -x / sigma0^2, the score of the prior N(0, sigma0^2 I)."""
+    return -x / prior_std**2
+
+
+def per_step(eta, like):
+    """Broadcast eta [N, d] against a chain array [N, ..., d]."""
+    return eta.reshape(eta.shape[:1] + (1,) * (like.ndim - 2) + eta.shape[1:])
+
+
+class Chain(NamedTuple):
+    xs: jax.Array  # x_0 ... x_N, [N+1, B, d]
+    means: jax.Array  # mu_0 ... mu_{N-1} of the forward kernels, [N, B, d]
+    eta: jax.Array  # eta_n = dt_n / friction, [N, d]
+
+
+def run_chain(control: Callable, x0, noise, eta, prior_std, ode_coef=1.0) -> Chain:
+    """x_{n+1} = mu_n + sqrt(2 eta_n) eps_n,  mu_n = x_n + eta_n (f(x_n) + ode_coef * u(x_n, n)).
+
+    control(x, n) -> u; noise [N, B, d] (zeros for the noise-free chain)."""
+    def step(x, inputs):
+        n, eps, eta_n = inputs
+        mean = x + eta_n * (prior_drift(x, prior_std) + ode_coef * control(x, n))
+        x_next = mean + jnp.sqrt(2 * eta_n) * eps
+        return x_next, (x_next, mean)
+
+    _, (xs, means) = jax.lax.scan(step, x0, (jnp.arange(noise.shape[0]), noise, eta))
+    return Chain(jnp.concatenate([x0[None], xs]), means, eta)
+
+
+def chain_log_prob(chain: Chain, prior_std) -> jax.Array:
+    """log pi_hat(a|s) = log N(x0; 0, s0^2) + sum_n [log F_n(x_{n+1}|x_n) - log B_n(x_n|x_{n+1})]
+                       - sum_d log(1 - a^2 + 1e-6),   a = tanh(x_N),
+    with F_n = N(mu_n, 2 eta_n), B_n = N(x_{n+1} + eta_n f(x_{n+1}), 2 eta_n)."""
+    x, x_next = chain.xs[:-1], chain.xs[1:]
+    eta = per_step(chain.eta, x)
+    log_forward = gaussian_log_pdf(x_next, chain.means, 2 * eta)
+    log_backward = gaussian_log_pdf(x, x_next + eta * prior_drift(x_next, prior_std), 2 * eta)
+    log_prior = gaussian_log_pdf(chain.xs[0], 0.0, prior_std**2)
+    action = jnp.tanh(chain.xs[-1])
+    return (log_prior.sum(-1) + (log_forward - log_backward).sum((0, -1))
+            - jnp.log(1 - action**2 + 1e-6).sum(-1))
+
+
+def chain_kl(old: Chain, new_means, new_eta, mode: str = "full") -> jax.Array:
+    """c = sum_n KL(N(mu_n^old, 2 eta_n^old) || N(mu_n^new, 2 eta_n^new)) at the old chain's states, [B]."""
+    var_old, var_new = 2 * per_step(old.eta, old.means), 2 * per_step(new_eta, old.means)
+    if mode == "mean":
+        kl = 0.5 * (old.means - new_means) ** 2 / var_new
+    else:
+        kl = gaussian_kl(old.means, var_old, new_means, var_new)
+    return kl.sum((0, -1))
+
+
+class Actor(NamedTuple):
+    """The policy interface the losses use, for either actor."""
+    init: Callable  # key -> params
+    sample: Callable  # (params, obs, key) -> (action, log_prob), reparameterised
+    trust_region_kl: Callable  # (old params, params, obs, key) -> c(s)
+    evaluate: Callable  # (params, obs, key) -> action for evaluation
+
+
+def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
+    net = ControlNet(cfg.actor_hidden, action_size, cfg.control_clip)
+    dt = time_steps(cfg.num_diffusion_steps, cfg.total_time, cfg.schedule)
+    embedding = step_embedding(cfg.num_diffusion_steps)
+    N, K = cfg.num_diffusion_steps, cfg.num_old_chains
+
+    def init(key):
+        control = net.init(key, jnp.zeros((1, action_size)), jnp.zeros((1, obs_size)), embedding[:1])
+        friction = jnp.full(action_size, math.log(math.e - 1.0))  # softplus^-1(1)
+        return {"control": control, "friction": friction}
+
+    def eta(params):
+        return dt[:, None] / jax.nn.softplus(params["friction"])[None]
+
+    def control_fn(params, obs):
+        return lambda x, n: net.apply(params["control"], x, obs, jnp.broadcast_to(embedding[n], x.shape[:-1] + (8,)))
+
+    def sample_chain(params, obs, key, ode_coef=1.0, noise_scale=1.0, prior_scale=1.0):
+        k0, k = jax.random.split(key)
+        x0 = prior_scale * cfg.prior_std * jax.random.normal(k0, obs.shape[:-1] + (action_size,))
+        noise = noise_scale * jax.random.normal(k, (N,) + x0.shape)
+        return run_chain(control_fn(params, obs), x0, noise, eta(params), cfg.prior_std, ode_coef)
+
+    def sample(params, obs, key):
+        chain = sample_chain(params, obs, key)
+        return jnp.tanh(chain.xs[-1]), chain_log_prob(chain, cfg.prior_std)
+
+    def trust_region_kl(old_params, params, obs, key):
+        obs_k = jnp.broadcast_to(obs, (K,) + obs.shape).reshape((-1,) + obs.shape[1:])
+        old = jax.lax.stop_gradient(sample_chain(old_params, obs_k, key))
+        new_eta = eta(params)
+        u = net.apply(params["control"], old.xs[:-1], jnp.broadcast_to(obs_k, (N,) + obs_k.shape),
+                      jnp.broadcast_to(embedding[:, None], (N, obs_k.shape[0], 8)))
+        new_means = old.xs[:-1] + per_step(new_eta, u) * (prior_drift(old.xs[:-1], cfg.prior_std) + u)
+        return chain_kl(old, new_means, new_eta, cfg.kl_mode).reshape(K, -1).mean(0)
+
+    def evaluate(params, obs, key):
+        if cfg.eval_mode == "stochastic":
+            return jnp.tanh(sample_chain(params, obs, key).xs[-1])
+        chain = sample_chain(params, obs, key, cfg.ode_coef, noise_scale=0.0,
+                             prior_scale=1.0 if cfg.eval_prior_start else 0.0)
+        return jnp.tanh(chain.xs[-1])
+
+    return Actor(init, sample, trust_region_kl, evaluate)
+
+
+def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
+    """REPPO's actor: a = tanh(u), u ~ N(mu(s), sigma(s)^2); the KL is the closed form on u."""
+    net = GaussianActor(cfg.actor_hidden, action_size)
+
+    def init(key):
+        return net.init(key, jnp.zeros((1, obs_size)))
+
+    def sample(params, obs, key):
+        mean, log_std = net.apply(params, obs)
+        u = mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
+        action = jnp.tanh(u)
+        log_prob = gaussian_log_pdf(u, mean, jnp.exp(2 * log_std)) - jnp.log(1 - action**2 + 1e-6)
+        return action, log_prob.sum(-1)
+
+    def trust_region_kl(old_params, params, obs, key):
+        mean0, log_std0 = jax.lax.stop_gradient(net.apply(old_params, obs))
+        mean1, log_std1 = net.apply(params, obs)
+        var1 = jnp.exp(2 * log_std1)
+        if cfg.kl_mode == "mean":
+            return (0.5 * (mean0 - mean1) ** 2 / var1).sum(-1)
+        return gaussian_kl(mean0, jnp.exp(2 * log_std0), mean1, var1).sum(-1)
+
+    def evaluate(params, obs, key):
+        if cfg.eval_mode == "stochastic":
+            return sample(params, obs, key)[0]
+        return jnp.tanh(net.apply(params, obs)[0])
+
+    return Actor(init, sample, trust_region_kl, evaluate)
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets: HL-Gauss categorical targets and soft lambda-returns.
+# ---------------------------------------------------------------------------------------------
+def atoms(cfg: Config) -> jax.Array:
+    return jnp.linspace(cfg.vmin, cfg.vmax, cfg.num_bins)
+
+
+def hl_gauss(y, vmin, vmax, num_bins, std_bins=0.75):
+    """Probabilities of N(y, (std_bins * width)^2) integrated over each bin [e_i, e_{i+1}], renormalised."""
+    width = (vmax - vmin) / (num_bins - 1)
+    edges = jnp.linspace(vmin - width / 2, vmax + width / 2, num_bins + 1)
+    y = jnp.clip(y, vmin, vmax)[..., None]
+    cdf = jax.scipy.special.ndtr((edges - y) / (std_bins * width))
+    probs = cdf[..., 1:] - cdf[..., :-1]
+    return probs / (cdf[..., -1:] - cdf[..., :1])
+
+
+def soft_lambda_return(soft_reward, next_value, terminated, truncated, gamma, lam):
+    """G_t = r~_t + gamma * { V(s'_t) if truncated; 0 if terminated; lam G_{t+1} + (1-lam) V(s'_t) otherwise },
+    over a rollout [T, ...] with G_T = V(s'_{T-1}) (the last step bootstraps from V)."""
+    def backward(g_next, x):
+        r, v, term, trunc = x
+        cont = lam * g_next + (1 - lam) * v
+        g = r + gamma * jnp.where(trunc > 0, v, jnp.where(term > 0, 0.0, cont))
+        return g, g
+
+    _, g = jax.lax.scan(backward, next_value[-1], (soft_reward, next_value, terminated, truncated), reverse=True)
+    return g
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses: critic (HL-Gauss cross-entropy + self-prediction) and the gated actor loss.
+# ---------------------------------------------------------------------------------------------
+class Transition(NamedTuple):
+    obs: jax.Array  # raw s_t
+    action: jax.Array  # a_t (as sent to the environment)
+    log_prob: jax.Array  # log pi_hat(a_t|s_t) of the behaviour policy
+    reward: jax.Array  # scaled r_t
+    terminated: jax.Array
+    truncated: jax.Array
+    next_obs: jax.Array  # raw true next observation s'_t
+
+
+class Batch(NamedTuple):
+    obs: jax.Array  # normalised s_t
+    action: jax.Array
+    reward: jax.Array
+    target: jax.Array  # soft lambda-return G_t
+    next_obs: jax.Array  # normalised s_{t+1} of the same episode (where aux_mask)
+    next_action: jax.Array  # a_{t+1} (where aux_mask)
+    aux_mask: jax.Array  # 1 where (s_{t+1}, a_{t+1}) exist
+
+
+def critic_loss(critic_params, batch: Batch, critic: Critic, cfg: Config):
+    """CE(HL-Gauss(G_t), Q(s_t, a_t)) + aux_coef * masked MSE of (next embedding, reward) predictions."""
+    logits, z = critic.apply(critic_params, batch.obs, batch.action)
+    target = hl_gauss(batch.target, cfg.vmin, cfg.vmax, cfg.num_bins, cfg.hl_gauss_std)
+    cross_entropy = -jnp.sum(target * jax.nn.log_softmax(logits), -1).mean()
+    z_next = jax.lax.stop_gradient(critic.apply(critic_params, batch.next_obs, batch.next_action, method="embed"))
+    z_pred, r_pred = critic.apply(critic_params, z, method="predict")
+    aux = jnp.mean((z_pred - z_next) ** 2, -1) + (r_pred - batch.reward) ** 2
+    aux = jnp.sum(aux * batch.aux_mask) / jnp.maximum(batch.aux_mask.sum(), 1.0)
+    q = jnp.sum(jax.nn.softmax(logits) * atoms(cfg), -1)
+    return cross_entropy + cfg.aux_coef * aux, {"critic_loss": cross_entropy, "aux_loss": aux, "q_mean": q.mean()}
+
+
+def gated_objective(log_prob, q, kl, alpha, beta, kl_bound):
+    """l(s) = alpha log pi(a|s) - Q(s, a) if c(s) < eps, else beta c(s)."""
+    return jnp.where(kl < kl_bound, alpha * log_prob - q, beta * kl)
+
+
+def actor_loss(actor_params, old_actor_params, critic_params, batch: Batch, key, actor: Actor, critic: Critic,
+               cfg: Config, action_size: int):
+    """mean_s l(s) + alpha sg(H - H_target) - beta sg(mean c - eps), alpha, beta = exp(log-duals)."""
+    k_sample, k_kl = jax.random.split(key)
+    params = actor_params["policy"]
+    alpha, beta = jnp.exp(actor_params["log_alpha"]), jnp.exp(actor_params["log_beta"])
+    action, log_prob = actor.sample(params, batch.obs, k_sample)
+    logits, _ = critic.apply(jax.lax.stop_gradient(critic_params), batch.obs, action)
+    q = jnp.sum(jax.nn.softmax(logits) * atoms(cfg), -1)
+    kl = actor.trust_region_kl(old_actor_params, params, batch.obs, k_kl)
+    objective = gated_objective(log_prob, q, kl, jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(beta),
+                                cfg.kl_bound).mean()
+    entropy = -log_prob.mean()
+    entropy_target = -cfg.ent_target_mult * action_size
+    dual = (alpha * jax.lax.stop_gradient(entropy - entropy_target)
+            - beta * jax.lax.stop_gradient(kl.mean() - cfg.kl_bound))
+    metrics = {"actor_loss": objective, "kl": kl.mean(), "entropy": entropy, "alpha": alpha, "beta": beta,
+               "gate_frac": jnp.mean(kl >= cfg.kl_bound)}
+    return objective + dual, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Update and train loop: rollout -> targets -> epochs x (critic step, actor step), in lax.scan.
+# ---------------------------------------------------------------------------------------------
+class TrainState(NamedTuple):
+    actor_params: Any  # {"policy": ..., "log_alpha": (), "log_beta": ()}
+    critic_params: Any
+    actor_opt_state: Any
+    critic_opt_state: Any
+    norm: Normalizer
+    env_state: EnvState
+    key: jax.Array
+    iteration: jax.Array
+
+
+def make_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
+    make = make_diffusion_actor if cfg.actor == "diffusion" else make_gaussian_actor
+    return make(cfg, obs_size, action_size)
+
+
+def make_train(cfg: Config, env: Env):
+    """Returns pure functions init(key) -> TrainState, chunk(TrainState) -> (TrainState, metrics)."""
+    actor = make_actor(cfg, env.obs_size, env.action_size)
+    critic = Critic(cfg.critic_hidden, cfg.num_bins)
+    optimizer = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), optax.adam(cfg.learning_rate))
+    T, B = cfg.rollout_steps, cfg.num_envs
+    iters_per_chunk = math.ceil(math.ceil(cfg.total_steps / (T * B)) / cfg.num_evals)
+
+    def init(key):
+        k_actor, k_critic, k_env, key = jax.random.split(key, 4)
+        actor_params = {"policy": actor.init(k_actor), "log_alpha": jnp.log(cfg.ent_start),
+                        "log_beta": jnp.log(cfg.kl_start)}
+        critic_params = critic.init(k_critic, jnp.zeros((1, env.obs_size)), jnp.zeros((1, env.action_size)),
+                                    method="all_heads")
+        env_state = env_reset(env, jax.random.split(k_env, B))
+        return TrainState(actor_params, critic_params, optimizer.init(actor_params), optimizer.init(critic_params),
+                          normalizer_init(env.obs_size), env_state, key, jnp.zeros((), jnp.int32))
+
+    def rollout(ts: TrainState, key):
+        k_pool, k_steps = jax.random.split(key)
+        reset_pool = env_reset(env, jax.random.split(k_pool, B))
+
+        def step(env_state, k):
+            obs = observation(env_state.sim)
+            action, log_prob = actor.sample(ts.actor_params["policy"], normalize(ts.norm, obs, cfg.normalize_obs), k)
+            action = jnp.clip(action, -0.999, 0.999)
+            env_state, out = env_step(env, env_state, action, reset_pool, cfg.episode_length)
+            done = jnp.maximum(out.terminated, out.truncated)
+            tr = Transition(obs, action, log_prob, out.reward * cfg.reward_scale, out.terminated, out.truncated,
+                            out.final_obs)
+            return env_state, (tr, done, out.episode_return * done)
+
+        env_state, (traj, done, returns) = jax.lax.scan(step, ts.env_state, jax.random.split(k_steps, T))
+        return env_state, traj, {"episodes": done.sum(), "return_sum": returns.sum()}
+
+    def q_value(critic_params, obs, action):
+        return jnp.sum(jax.nn.softmax(critic.apply(critic_params, obs, action)[0]) * atoms(cfg), -1)
+
+    def targets(ts: TrainState, traj: Transition, key) -> Batch:
+        """Soft lambda-returns with the pre-update critic; a' is the rollout's next action where it exists."""
+        obs = normalize(ts.norm, traj.obs, cfg.normalize_obs)
+        next_obs = normalize(ts.norm, traj.next_obs, cfg.normalize_obs)
+        keys = jax.random.split(key, cfg.num_action_samples)
+        next_actions, next_log_probs = jax.vmap(lambda k: actor.sample(ts.actor_params["policy"], next_obs, k))(keys)
+        next_value = jax.vmap(lambda a: q_value(ts.critic_params, next_obs, a))(next_actions).mean(0)
+        done = jnp.maximum(traj.terminated, traj.truncated)
+        has_next = (1.0 - done) * (jnp.arange(T) < T - 1)[:, None]
+        shift = lambda x: jnp.concatenate([x[1:], x[-1:]])
+        next_log_prob = jnp.where(has_next > 0, shift(traj.log_prob), next_log_probs[0])
+        alpha = jnp.exp(ts.actor_params["log_alpha"])
+        soft_reward = traj.reward - cfg.gamma * alpha * next_log_prob * (1.0 - traj.terminated)
+        target = soft_lambda_return(soft_reward, next_value, traj.terminated, traj.truncated, cfg.gamma,
+                                    cfg.td_lambda)
+        return Batch(obs, traj.action, traj.reward, target, next_obs, shift(traj.action), has_next)
+
+    def update_minibatch(carry, inputs):
+        actor_params, critic_params, actor_opt_state, critic_opt_state, old_policy = carry
+        batch, key = inputs
+        critic_grads, critic_metrics = jax.grad(critic_loss, has_aux=True)(critic_params, batch, critic, cfg)
+        updates, critic_opt_state = optimizer.update(critic_grads, critic_opt_state, critic_params)
+        critic_params = optax.apply_updates(critic_params, updates)
+        actor_grads, actor_metrics = jax.grad(actor_loss, has_aux=True)(
+            actor_params, old_policy, critic_params, batch, key, actor, critic, cfg, env.action_size)
+        updates, actor_opt_state = optimizer.update(actor_grads, actor_opt_state, actor_params)
+        actor_params = optax.apply_updates(actor_params, updates)
+        return (actor_params, critic_params, actor_opt_state, critic_opt_state, old_policy), \
+            critic_metrics | actor_metrics
+
+    def iteration(ts: TrainState, _):
+        key, k_roll, k_target, k_update = jax.random.split(ts.key, 4)
+        env_state, traj, episode_stats = rollout(ts, k_roll)
+        batch = targets(ts, traj, k_target)
+        flat = jax.tree.map(lambda x: x.reshape((T * B,) + x.shape[2:]), batch)
+
+        def epoch(carry, k):
+            k_perm, k_mb = jax.random.split(k)
+            shuffled = jax.tree.map(lambda x: jax.random.permutation(k_perm, x).reshape(
+                (cfg.num_minibatches, -1) + x.shape[1:]), flat)
+            return jax.lax.scan(update_minibatch, carry, (shuffled, jax.random.split(k_mb, cfg.num_minibatches)))
+
+        carry = (ts.actor_params, ts.critic_params, ts.actor_opt_state, ts.critic_opt_state,
+                 ts.actor_params["policy"])
+        carry, metrics = jax.lax.scan(epoch, carry, jax.random.split(k_update, cfg.num_epochs))
+        actor_params, critic_params, actor_opt_state, critic_opt_state, _ = carry
+        metrics = jax.tree.map(jnp.mean, metrics)
+        norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
+        metrics.update(episode_stats)
+        return TrainState(actor_params, critic_params, actor_opt_state, critic_opt_state, norm, env_state, key,
+                          ts.iteration + 1), metrics
+
+    def chunk(ts: TrainState):
+        ts, metrics = jax.lax.scan(iteration, ts, None, length=iters_per_chunk)
+        episodes, return_sum = metrics.pop("episodes").sum(), metrics.pop("return_sum").sum()
+        kl_per_iteration = metrics["kl"]
+        metrics = jax.tree.map(jnp.mean, metrics)
+        metrics["kl_median"] = jnp.median(kl_per_iteration)
+        metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
+        key, k_eval = jax.random.split(ts.key)
+        metrics["eval_return"], metrics["eval_return_std"] = evaluate(ts.actor_params["policy"], ts.norm, k_eval)
+        return ts._replace(key=key), metrics
+
+    def evaluate(policy_params, norm, key):
+        """Fresh episodes with the evaluation policy (noise-free chain by default); mean and std of returns."""
+        def act(obs, k):
+            return jnp.clip(actor.evaluate(policy_params, normalize(norm, obs, cfg.normalize_obs), k), -0.999, 0.999)
+        return run_episodes(env, act, key, cfg.num_eval_envs, cfg.episode_length)
+
+    return init, chunk, iters_per_chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation: fresh episodes, no auto-reset, return summed until the first end.
+# ---------------------------------------------------------------------------------------------
+def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_length: int):
+    k_reset, k_act = jax.random.split(key)
+    sim = jax.vmap(env.reset)(jax.random.split(k_reset, num_episodes))
+
+    def step(carry, k):
+        sim, alive, ret = carry
+        sim = jax.vmap(env.step)(sim, actor(observation(sim), k))
+        ret = ret + alive * sim.reward
+        return (sim, alive * (1.0 - (sim.done > 0)), ret), None
+
+    (_, _, ret), _ = jax.lax.scan(step, (sim, jnp.ones(num_episodes), jnp.zeros(num_episodes)),
+                                  jax.random.split(k_act, episode_length))
+    return ret.mean(), ret.std()
+
+
+# ---------------------------------------------------------------------------------------------
+# Host loop: compile once, run chunks, log progress, write metrics.csv / config.json / curve.png.
+# ---------------------------------------------------------------------------------------------
+def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
+    """Train cfg.num_seeds seeds; returns one metrics row per (log point, seed)."""
+    validate(cfg)
+    env = make_env(cfg.env, cfg.backend)
+    init, chunk, iters_per_chunk = make_train(cfg, env)
+    name = "trudi" if cfg.actor == "diffusion" else "reppo"
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
+    ts = jax.jit(jax.vmap(init))(keys)
+    start = time.perf_counter()
+    compiled = jax.jit(jax.vmap(chunk), donate_argnums=0).lower(ts).compile()
+    compile_s = time.perf_counter() - start
+    log(f"[{name} {cfg.env}] compiled the training program in {compile_s:.1f} s")
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg) | {"compile_s": compile_s, "jax": jax.__version__,
+                                             "device": str(jax.devices()[0])}, f, indent=2)
+    steps_per_chunk = iters_per_chunk * cfg.num_envs * cfg.rollout_steps
+    rows, wall = [], 0.0
+    for i in range(cfg.num_evals):
+        start = time.perf_counter()
+        ts, metrics = compiled(ts)
+        metrics = jax.device_get(metrics)
+        dt = time.perf_counter() - start
+        wall += dt
+        env_steps = (i + 1) * steps_per_chunk
+        sps = steps_per_chunk * cfg.num_seeds / dt
+        for s in range(cfg.num_seeds):
+            row = {"env_steps": env_steps, "seed": cfg.seed if cfg.num_seeds == 1 else s, "wall_s": round(wall, 3),
+                   "steps_per_sec": round(sps, 1)}
+            row.update({k: float(v[s]) for k, v in metrics.items()})
+            rows.append(row)
+        eta = (cfg.num_evals - i - 1) * wall / (i + 1)
+        log(f"[{name} {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
+            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.nanmean(metrics['train_return']):.1f} | "
+            f"kl {np.mean(metrics['kl']):.3f} | alpha {np.mean(metrics['alpha']):.3g} | "
+            f"beta {np.mean(metrics['beta']):.3g} | ETA {eta:.0f} s")
+        write_csv(os.path.join(cfg.out_dir, "metrics.csv"), rows)
+    if cfg.plot:
+        plot_curve(rows, os.path.join(cfg.out_dir, "curve.png"), f"{name.upper()} on {cfg.env}")
+    return rows
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """Write atomically: a crash mid-write leaves the previous file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def plot_curve(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for seed in sorted({r["seed"] for r in rows}):
+        pts = [(r["env_steps"], r["eval_return"]) for r in rows if r["seed"] == seed]
+        ax.plot(*zip(*pts), marker="o", label=f"seed {seed}")
+    ax.set(xlabel="environment steps", ylabel="evaluation return", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_config(argv: list[str]) -> Config:
+    """tyro CLI on top of the preset chosen by --preset/--env, so explicit flags override the preset."""
+    def peek(flag, default):
+        for i, arg in enumerate(argv):
+            if arg == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+        return default
+    preset, env = peek("--preset", "cpu"), peek("--env", Config.env)
+    if preset not in ("cpu", "paper"):
+        raise SystemExit(f"error: unknown preset {preset!r}; choose cpu or paper")
+    return tyro.cli(Config, default=preset_config(preset, env), args=argv)
+
+
+if __name__ == "__main__":
+    train(parse_config(sys.argv[1:]))
