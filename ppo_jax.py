@@ -10,8 +10,10 @@ function built from `jax.lax.scan`s; the host only receives metrics once per chu
 Choices worth knowing (the same as in trudi_jax.py):
 * Episodes end by termination (no bootstrap) or by the time limit `episode_length` (bootstrapped
   from the value of the true final observation, never the auto-reset one).
-* Auto-reset draws fresh initial states: one pool of `num_envs` reset states is sampled per
-  iteration, and an environment that finishes takes its slot of that pool.
+* Auto-reset draws fresh initial states from a pool of `num_envs` reset states kept in the train
+  state; an environment that finishes takes its slot of the pool. A block of the pool is re-sampled
+  every iteration so that the whole pool is renewed once per `episode_length` steps (resets can be
+  costly: CheetahRun's runs 200 physics steps to settle).
 * The observation normaliser (running mean/variance) is updated once per iteration, after the
   update, so the policy that collected a batch is exactly the one the PPO ratio starts from.
 * Policy: tanh-squashed diagonal Gaussian with a state-independent learned log-std (Brax's
@@ -176,6 +178,21 @@ def env_reset(env: Env, keys: jax.Array) -> EnvState:
     return EnvState(sim, zeros.astype(jnp.int32), zeros)
 
 
+def reset_block_size(num_envs: int, episode_length: int, rollout_steps: int) -> int:
+    """Pool slots re-sampled per iteration, so that the pool is renewed once per episode length."""
+    blocks = max(1, min(num_envs, episode_length // rollout_steps))
+    while num_envs % blocks:
+        blocks -= 1
+    return num_envs // blocks
+
+
+def refresh_pool(env: Env, pool: EnvState, key, iteration, block: int) -> EnvState:
+    """Replace the next block of the reset pool (round robin) with freshly sampled initial states."""
+    fresh = env_reset(env, jax.random.split(key, block))
+    start = (iteration * block) % pool.t.shape[0]
+    return jax.tree.map(lambda p, f: jax.lax.dynamic_update_slice_in_dim(p, f, start, 0), pool, fresh)
+
+
 def env_step(env: Env, state: EnvState, action: jax.Array, reset_pool: EnvState,
              episode_length: int) -> tuple[EnvState, Step]:
     """Step all environments; finished ones continue from their slot of a freshly sampled pool."""
@@ -220,9 +237,10 @@ def normalizer_update(norm: Normalizer, x: jax.Array) -> Normalizer:
 
 
 def normalize(norm: Normalizer, x: jax.Array, enabled: bool = True) -> jax.Array:
+    """(x - mean) / std, clipped to +-10: early on (all episodes just started) some variances are ~1e-6."""
     if not enabled:
         return x
-    return (x - norm.mean) / jnp.sqrt(norm.var + 1e-8)
+    return jnp.clip((x - norm.mean) / jnp.sqrt(norm.var + 1e-8), -10.0, 10.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,6 +351,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     norm: Normalizer
     env_state: EnvState
+    reset_pool: EnvState  # fresh initial states that finished environments continue from
     key: jax.Array
     iteration: jax.Array
 
@@ -345,14 +364,16 @@ def make_train(cfg: Config, env: Env):
     optimizer = optax.chain(*clip, optax.adam(cfg.learning_rate))
     batch_size = cfg.num_envs * cfg.rollout_steps
     iters_per_chunk = math.ceil(math.ceil(cfg.total_steps / batch_size) / cfg.num_evals)
+    reset_block = reset_block_size(cfg.num_envs, cfg.episode_length, cfg.rollout_steps)
 
     def init(key):
-        k_pi, k_v, k_env, key = jax.random.split(key, 4)
+        k_pi, k_v, k_env, k_pool, key = jax.random.split(key, 5)
         dummy = jnp.zeros((1, env.obs_size))
         params = {"policy": policy.init(k_pi, dummy), "value": value_net.init(k_v, dummy)}
         env_state = env_reset(env, jax.random.split(k_env, cfg.num_envs))
-        return TrainState(params, optimizer.init(params), normalizer_init(env.obs_size), env_state, key,
-                          jnp.zeros((), jnp.int32))
+        reset_pool = env_reset(env, jax.random.split(k_pool, cfg.num_envs))
+        return TrainState(params, optimizer.init(params), normalizer_init(env.obs_size), env_state, reset_pool,
+                          key, jnp.zeros((), jnp.int32))
 
     def act(params, norm, obs, key):
         mean, log_std = policy.apply(params["policy"], normalize(norm, obs, cfg.normalize_obs))
@@ -361,7 +382,7 @@ def make_train(cfg: Config, env: Env):
 
     def rollout(ts: TrainState, key):
         k_pool, k_steps = jax.random.split(key)
-        reset_pool = env_reset(env, jax.random.split(k_pool, cfg.num_envs))
+        reset_pool = refresh_pool(env, ts.reset_pool, k_pool, ts.iteration, reset_block)
 
         def step(env_state, k):
             obs = observation(env_state.sim)
@@ -373,7 +394,7 @@ def make_train(cfg: Config, env: Env):
             return env_state, (tr, done, out.episode_return * done)
 
         env_state, (traj, done, returns) = jax.lax.scan(step, ts.env_state, jax.random.split(k_steps, cfg.rollout_steps))
-        return env_state, traj, {"episodes": done.sum(), "return_sum": returns.sum()}
+        return env_state, reset_pool, traj, {"episodes": done.sum(), "return_sum": returns.sum()}
 
     def update_minibatch(carry, batch: Batch):
         params, opt_state = carry
@@ -384,7 +405,7 @@ def make_train(cfg: Config, env: Env):
 
     def iteration(ts: TrainState, _):
         key, k_roll, k_perm = jax.random.split(ts.key, 3)
-        env_state, traj, episode_stats = rollout(ts, k_roll)
+        env_state, reset_pool, traj, episode_stats = rollout(ts, k_roll)
         obs = normalize(ts.norm, traj.obs, cfg.normalize_obs)
         next_obs = normalize(ts.norm, traj.next_obs, cfg.normalize_obs)
         value = value_net.apply(ts.params["value"], obs)[..., 0]
@@ -395,8 +416,8 @@ def make_train(cfg: Config, env: Env):
                             Batch(obs, traj.u, traj.log_prob, advantage, target))
 
         def epoch(carry, k):
-            shuffled = jax.tree.map(lambda x: jax.random.permutation(k, x).reshape(
-                (cfg.num_minibatches, -1) + x.shape[1:]), flat)
+            order = jax.random.permutation(k, batch_size)  # one permutation for every field
+            shuffled = jax.tree.map(lambda x: x[order].reshape((cfg.num_minibatches, -1) + x.shape[1:]), flat)
             return jax.lax.scan(update_minibatch, carry, shuffled)
 
         (params, opt_state), metrics = jax.lax.scan(epoch, (ts.params, ts.opt_state),
@@ -404,7 +425,7 @@ def make_train(cfg: Config, env: Env):
         metrics = jax.tree.map(jnp.mean, metrics)
         norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
         metrics.update(episode_stats)
-        return TrainState(params, opt_state, norm, env_state, key, ts.iteration + 1), metrics
+        return TrainState(params, opt_state, norm, env_state, reset_pool, key, ts.iteration + 1), metrics
 
     def chunk(ts: TrainState):
         ts, metrics = jax.lax.scan(iteration, ts, None, length=iters_per_chunk)
@@ -433,7 +454,7 @@ def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_leng
     def step(carry, _):
         sim, alive, ret = carry
         sim = jax.vmap(env.step)(sim, actor(observation(sim)))
-        ret = ret + alive * sim.reward
+        ret = ret + jnp.where(alive > 0, sim.reward, 0.0)
         return (sim, alive * (1.0 - (sim.done > 0)), ret), None
 
     (_, _, ret), _ = jax.lax.scan(step, (sim, jnp.ones(num_episodes), jnp.zeros(num_episodes)), None,
@@ -477,7 +498,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
             rows.append(row)
         eta = (cfg.num_evals - i - 1) * wall / (i + 1)
         log(f"[ppo {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
-            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.nanmean(metrics['train_return']):.1f} | "
+            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.mean(metrics['train_return']):.1f} | "
             f"ETA {eta:.0f} s")
         write_csv(os.path.join(cfg.out_dir, "metrics.csv"), rows)
     if cfg.plot:

@@ -13,7 +13,9 @@ program; the host receives metrics once per chunk of iterations. `--num-seeds K`
 
 Choices this file makes where the specification leaves them open:
 * Time limits are bootstrapped from the true final observation; terminations are not. Auto-reset
-  draws fresh initial states from a pool of `num_envs` reset states sampled once per iteration.
+  draws fresh initial states from a pool of `num_envs` reset states kept in the train state, a block
+  of which is re-sampled every iteration so that the whole pool is renewed once per `episode_length`
+  steps (resets can be costly: CheetahRun's runs 200 physics steps to settle).
 * The observation normaliser is updated once per iteration after the update, so the policy that
   collected the batch is exactly the "old" policy of the trust region.
 * The control net's output is soft-clipped, `c * tanh(u / c)` with c = `control_clip`, so it keeps a
@@ -207,6 +209,21 @@ def env_reset(env: Env, keys: jax.Array) -> EnvState:
     return EnvState(sim, zeros.astype(jnp.int32), zeros)
 
 
+def reset_block_size(num_envs: int, episode_length: int, rollout_steps: int) -> int:
+    """Pool slots re-sampled per iteration, so that the pool is renewed once per episode length."""
+    blocks = max(1, min(num_envs, episode_length // rollout_steps))
+    while num_envs % blocks:
+        blocks -= 1
+    return num_envs // blocks
+
+
+def refresh_pool(env: Env, pool: EnvState, key, iteration, block: int) -> EnvState:
+    """Replace the next block of the reset pool (round robin) with freshly sampled initial states."""
+    fresh = env_reset(env, jax.random.split(key, block))
+    start = (iteration * block) % pool.t.shape[0]
+    return jax.tree.map(lambda p, f: jax.lax.dynamic_update_slice_in_dim(p, f, start, 0), pool, fresh)
+
+
 def env_step(env: Env, state: EnvState, action: jax.Array, reset_pool: EnvState,
              episode_length: int) -> tuple[EnvState, Step]:
     """Step all environments; finished ones continue from their slot of a freshly sampled pool."""
@@ -250,9 +267,10 @@ def normalizer_update(norm: Normalizer, x: jax.Array) -> Normalizer:
 
 
 def normalize(norm: Normalizer, x: jax.Array, enabled: bool = True) -> jax.Array:
+    """(x - mean) / std, clipped to +-10: early on (all episodes just started) some variances are ~1e-6."""
     if not enabled:
         return x
-    return (x - norm.mean) / jnp.sqrt(norm.var + 1e-8)
+    return jnp.clip((x - norm.mean) / jnp.sqrt(norm.var + 1e-8), -10.0, 10.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,6 +609,7 @@ class TrainState(NamedTuple):
     critic_opt_state: Any
     norm: Normalizer
     env_state: EnvState
+    reset_pool: EnvState  # fresh initial states that finished environments continue from
     key: jax.Array
     iteration: jax.Array
 
@@ -607,20 +626,22 @@ def make_train(cfg: Config, env: Env):
     optimizer = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), optax.adam(cfg.learning_rate))
     T, B = cfg.rollout_steps, cfg.num_envs
     iters_per_chunk = math.ceil(math.ceil(cfg.total_steps / (T * B)) / cfg.num_evals)
+    reset_block = reset_block_size(B, cfg.episode_length, T)
 
     def init(key):
-        k_actor, k_critic, k_env, key = jax.random.split(key, 4)
+        k_actor, k_critic, k_env, k_pool, key = jax.random.split(key, 5)
         actor_params = {"policy": actor.init(k_actor), "log_alpha": jnp.log(cfg.ent_start),
                         "log_beta": jnp.log(cfg.kl_start)}
         critic_params = critic.init(k_critic, jnp.zeros((1, env.obs_size)), jnp.zeros((1, env.action_size)),
                                     method="all_heads")
         env_state = env_reset(env, jax.random.split(k_env, B))
+        reset_pool = env_reset(env, jax.random.split(k_pool, B))
         return TrainState(actor_params, critic_params, optimizer.init(actor_params), optimizer.init(critic_params),
-                          normalizer_init(env.obs_size), env_state, key, jnp.zeros((), jnp.int32))
+                          normalizer_init(env.obs_size), env_state, reset_pool, key, jnp.zeros((), jnp.int32))
 
     def rollout(ts: TrainState, key):
         k_pool, k_steps = jax.random.split(key)
-        reset_pool = env_reset(env, jax.random.split(k_pool, B))
+        reset_pool = refresh_pool(env, ts.reset_pool, k_pool, ts.iteration, reset_block)
 
         def step(env_state, k):
             obs = observation(env_state.sim)
@@ -633,7 +654,7 @@ def make_train(cfg: Config, env: Env):
             return env_state, (tr, done, out.episode_return * done)
 
         env_state, (traj, done, returns) = jax.lax.scan(step, ts.env_state, jax.random.split(k_steps, T))
-        return env_state, traj, {"episodes": done.sum(), "return_sum": returns.sum()}
+        return env_state, reset_pool, traj, {"episodes": done.sum(), "return_sum": returns.sum()}
 
     def q_value(critic_params, obs, action):
         return jnp.sum(jax.nn.softmax(critic.apply(critic_params, obs, action)[0]) * atoms(cfg), -1)
@@ -670,14 +691,14 @@ def make_train(cfg: Config, env: Env):
 
     def iteration(ts: TrainState, _):
         key, k_roll, k_target, k_update = jax.random.split(ts.key, 4)
-        env_state, traj, episode_stats = rollout(ts, k_roll)
+        env_state, reset_pool, traj, episode_stats = rollout(ts, k_roll)
         batch = targets(ts, traj, k_target)
         flat = jax.tree.map(lambda x: x.reshape((T * B,) + x.shape[2:]), batch)
 
         def epoch(carry, k):
             k_perm, k_mb = jax.random.split(k)
-            shuffled = jax.tree.map(lambda x: jax.random.permutation(k_perm, x).reshape(
-                (cfg.num_minibatches, -1) + x.shape[1:]), flat)
+            order = jax.random.permutation(k_perm, T * B)  # one permutation for every field
+            shuffled = jax.tree.map(lambda x: x[order].reshape((cfg.num_minibatches, -1) + x.shape[1:]), flat)
             return jax.lax.scan(update_minibatch, carry, (shuffled, jax.random.split(k_mb, cfg.num_minibatches)))
 
         carry = (ts.actor_params, ts.critic_params, ts.actor_opt_state, ts.critic_opt_state,
@@ -687,8 +708,8 @@ def make_train(cfg: Config, env: Env):
         metrics = jax.tree.map(jnp.mean, metrics)
         norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
         metrics.update(episode_stats)
-        return TrainState(actor_params, critic_params, actor_opt_state, critic_opt_state, norm, env_state, key,
-                          ts.iteration + 1), metrics
+        return TrainState(actor_params, critic_params, actor_opt_state, critic_opt_state, norm, env_state,
+                          reset_pool, key, ts.iteration + 1), metrics
 
     def chunk(ts: TrainState):
         ts, metrics = jax.lax.scan(iteration, ts, None, length=iters_per_chunk)
@@ -720,7 +741,7 @@ def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_leng
     def step(carry, k):
         sim, alive, ret = carry
         sim = jax.vmap(env.step)(sim, actor(observation(sim), k))
-        ret = ret + alive * sim.reward
+        ret = ret + jnp.where(alive > 0, sim.reward, 0.0)
         return (sim, alive * (1.0 - (sim.done > 0)), ret), None
 
     (_, _, ret), _ = jax.lax.scan(step, (sim, jnp.ones(num_episodes), jnp.zeros(num_episodes)),
@@ -765,7 +786,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
             rows.append(row)
         eta = (cfg.num_evals - i - 1) * wall / (i + 1)
         log(f"[{name} {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
-            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.nanmean(metrics['train_return']):.1f} | "
+            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.mean(metrics['train_return']):.1f} | "
             f"kl {np.mean(metrics['kl']):.3f} | alpha {np.mean(metrics['alpha']):.3g} | "
             f"beta {np.mean(metrics['beta']):.3g} | ETA {eta:.0f} s")
         write_csv(os.path.join(cfg.out_dir, "metrics.csv"), rows)

@@ -18,6 +18,11 @@ How each trainer is timed:
   Its compile time is estimated as the first epoch minus the median steady epoch (it includes Brax's
   setup: environment reset, network init). Brax's own `training/sps` timer is recorded as a check.
 
+Not the same work per step: Brax's Playground wrapper resets a finished environment to its cached first
+state, while ppo_jax samples num_envs fresh initial states every iteration; where a reset simulates
+(CheetahRun settles for 200 physics steps) that costs ppo_jax up to (200 + rollout_steps) / rollout_steps
+times Brax's physics per iteration.
+
 Add a trainer by adding an entry to RUNNERS: a function (bench, env name) -> Runner.
 """
 from __future__ import annotations
@@ -62,7 +67,7 @@ class Bench:
     json: str | None = None  # also write the results to this file
 
 
-QUICK = Bench(num_envs=128, rollout_steps=32, num_minibatches=8, num_epochs=4, iterations=4, repeats=3, quick=True)
+QUICK = Bench(num_envs=128, rollout_steps=32, num_minibatches=8, num_epochs=8, iterations=4, repeats=3, quick=True)
 
 
 def parse_bench(argv: list[str]) -> Bench:

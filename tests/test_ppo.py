@@ -199,6 +199,9 @@ def test_cli_unknown_env_exits_with_close_matches(tmp_path):
     message = assert_one_line_error(run_cli("--env", "CartpoleBalanc", "--out-dir", str(out_dir)))
     assert "CartpoleBalance" in message
     assert not out_dir.exists()
+    with pytest.raises(SystemExit) as exit_info:  # a name absent from the message's fixed examples
+        ppo_jax.make_env("CheetahRn")
+    assert "CheetahRun" in str(exit_info.value)
 
 
 def test_cli_indivisible_minibatches_exits_before_writing(tmp_path):
@@ -229,18 +232,21 @@ def test_preset_and_flag_override():
 # End to end: the cpu preset learns CartpoleBalance (a zero action scores about 697).
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_cpu_preset_learns_cartpole_balance(tmp_path):
+def test_cpu_preset_learns_cartpole_balance(tmp_path, monkeypatch):
+    """Seed 0 of the cpu preset reaches ~970 after ~150k steps; the budget is twice that."""
+    monkeypatch.chdir(tmp_path)  # MuJoCo writes MUJOCO_LOG.TXT into the working directory
     cfg = dataclasses.replace(ppo_jax.parse_config(["--env", "CartpoleBalance", "--preset", "cpu"]),
-                              total_steps=300_000, num_evals=4, num_eval_envs=32, out_dir=str(tmp_path))
+                              total_steps=300_000, num_evals=6, num_eval_envs=32, out_dir=str(tmp_path / "run"))
     rows = ppo_jax.train(cfg, log=lambda line: None)
     eval_returns = [row["eval_return"] for row in rows]
-    assert max(eval_returns) >= 900, eval_returns
+    assert max(eval_returns) >= 900, eval_returns  # zero action: ~697
 
-    with open(tmp_path / "metrics.csv") as f:
+    with open(tmp_path / "run" / "metrics.csv") as f:
         table = list(csv.DictReader(f))
     assert len(table) == cfg.num_evals
     assert {"env_steps", "eval_return", "steps_per_sec"} <= set(table[0])
     assert [float(r["eval_return"]) for r in table] == pytest.approx(eval_returns)
     assert int(table[-1]["env_steps"]) >= cfg.total_steps
-    with open(tmp_path / "config.json") as f:
+    with open(tmp_path / "run" / "config.json") as f:
         assert json.load(f)["env"] == "CartpoleBalance"
+    assert (tmp_path / "run" / "curve.png").exists()
