@@ -178,6 +178,13 @@ def env_reset(env: Env, keys: jax.Array) -> EnvState:
     return EnvState(sim, zeros.astype(jnp.int32), zeros)
 
 
+def desynchronize(state: EnvState, key, episode_length: int) -> EnvState:
+    """Start each environment's clock at a random point of the time limit, so that episodes end staggered
+    and every batch mixes all phases of an episode (else all envs sit in the same phase for a whole batch)."""
+    t = jax.random.randint(key, state.t.shape, 0, episode_length)
+    return state._replace(t=t, ret=jnp.where(t > 0, jnp.nan, 0.0))  # NaN: cut episodes are not reported
+
+
 def reset_block_size(num_envs: int, episode_length: int, rollout_steps: int) -> int:
     """Pool slots re-sampled per iteration, so that the pool is renewed once per episode length."""
     blocks = max(1, min(num_envs, episode_length // rollout_steps))
@@ -370,7 +377,7 @@ def make_train(cfg: Config, env: Env):
         k_pi, k_v, k_env, k_pool, key = jax.random.split(key, 5)
         dummy = jnp.zeros((1, env.obs_size))
         params = {"policy": policy.init(k_pi, dummy), "value": value_net.init(k_v, dummy)}
-        env_state = env_reset(env, jax.random.split(k_env, cfg.num_envs))
+        env_state = desynchronize(env_reset(env, jax.random.split(k_env, cfg.num_envs)), k_env, cfg.episode_length)
         reset_pool = env_reset(env, jax.random.split(k_pool, cfg.num_envs))
         return TrainState(params, optimizer.init(params), normalizer_init(env.obs_size), env_state, reset_pool,
                           key, jnp.zeros((), jnp.int32))
@@ -391,7 +398,8 @@ def make_train(cfg: Config, env: Env):
             tr = Transition(obs, u, log_prob, out.reward * cfg.reward_scale, out.terminated, out.truncated,
                             out.final_obs)
             done = jnp.maximum(out.terminated, out.truncated)
-            return env_state, (tr, done, out.episode_return * done)
+            reported = done * jnp.isfinite(out.episode_return)
+            return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0))
 
         env_state, (traj, done, returns) = jax.lax.scan(step, ts.env_state, jax.random.split(k_steps, cfg.rollout_steps))
         return env_state, reset_pool, traj, {"episodes": done.sum(), "return_sum": returns.sum()}

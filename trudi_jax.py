@@ -57,12 +57,12 @@ class Config:
     actor: Literal["diffusion", "gaussian"] = "diffusion"  # gaussian: tanh-Gaussian actor (= REPPO)
     seed: int = 0  # master seed; seed i of --num-seeds uses fold_in(seed, i)
     num_seeds: int = 1  # independent seeds trained in one compiled program (vmap)
-    total_steps: int = 1_000_000  # environment steps per seed
-    num_envs: int = 128  # parallel environments
+    total_steps: int = 800_000  # environment steps per seed
+    num_envs: int = 64  # parallel environments
     rollout_steps: int = 32  # steps per environment per iteration
     num_minibatches: int = 8  # minibatches per epoch
     num_epochs: int = 8  # passes over each batch
-    learning_rate: float = 3e-4  # Adam, actor and critic
+    learning_rate: float = 1e-3  # Adam, actor and critic
     max_grad_norm: float = 0.5  # global gradient-norm clip
     gamma: float = 0.99  # discount
     td_lambda: float = 0.95  # lambda of the soft lambda-returns
@@ -70,7 +70,7 @@ class Config:
     # trust region and dual variables
     kl_bound: float = 0.1  # epsilon: per-state KL bound of the gate
     kl_mode: Literal["full", "mean"] = "full"  # full Gaussian KL per step, or its mean term only
-    num_old_chains: int = 4  # K: old-policy chains per state for the KL c(s)
+    num_old_chains: int = 1  # K: old-policy chains per state for the KL c(s)
     kl_start: float = 0.01  # initial beta (KL multiplier)
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
@@ -209,6 +209,13 @@ def env_reset(env: Env, keys: jax.Array) -> EnvState:
     return EnvState(sim, zeros.astype(jnp.int32), zeros)
 
 
+def desynchronize(state: EnvState, key, episode_length: int) -> EnvState:
+    """Start each environment's clock at a random point of the time limit, so that episodes end staggered
+    and every batch mixes all phases of an episode (else all envs sit in the same phase for a whole batch)."""
+    t = jax.random.randint(key, state.t.shape, 0, episode_length)
+    return state._replace(t=t, ret=jnp.where(t > 0, jnp.nan, 0.0))  # NaN: cut episodes are not reported
+
+
 def reset_block_size(num_envs: int, episode_length: int, rollout_steps: int) -> int:
     """Pool slots re-sampled per iteration, so that the pool is renewed once per episode length."""
     blocks = max(1, min(num_envs, episode_length // rollout_steps))
@@ -304,14 +311,15 @@ class ControlNet(nn.Module):
 
 
 class GaussianActor(nn.Module):
-    """pi(u|s) = N(mu(s), diag(sigma(s))^2), log sigma in [-5, 2]; action a = tanh(u)."""
+    """pi(u|s) = N(mu(s), diag(sigma(s))^2), sigma = softplus(raw + softplus^-1(1)) + 1e-3 (about 1 at
+    the start, so the first batches explore); action a = tanh(u). Returns (mu, log sigma)."""
     hidden: tuple[int, ...]
     action_size: int
 
     @nn.compact
     def __call__(self, obs):
         mean, raw = jnp.split(LayerNormMLP(self.hidden, 2 * self.action_size)(obs), 2, axis=-1)
-        return mean, -5.0 + 3.5 * (jnp.tanh(raw) + 1.0)
+        return mean, jnp.log(jax.nn.softplus(raw + math.log(math.e - 1.0)) + 1e-3)
 
 
 class Critic(nn.Module):
@@ -634,7 +642,7 @@ def make_train(cfg: Config, env: Env):
                         "log_beta": jnp.log(cfg.kl_start)}
         critic_params = critic.init(k_critic, jnp.zeros((1, env.obs_size)), jnp.zeros((1, env.action_size)),
                                     method="all_heads")
-        env_state = env_reset(env, jax.random.split(k_env, B))
+        env_state = desynchronize(env_reset(env, jax.random.split(k_env, B)), k_env, cfg.episode_length)
         reset_pool = env_reset(env, jax.random.split(k_pool, B))
         return TrainState(actor_params, critic_params, optimizer.init(actor_params), optimizer.init(critic_params),
                           normalizer_init(env.obs_size), env_state, reset_pool, key, jnp.zeros((), jnp.int32))
@@ -651,7 +659,8 @@ def make_train(cfg: Config, env: Env):
             done = jnp.maximum(out.terminated, out.truncated)
             tr = Transition(obs, action, log_prob, out.reward * cfg.reward_scale, out.terminated, out.truncated,
                             out.final_obs)
-            return env_state, (tr, done, out.episode_return * done)
+            reported = done * jnp.isfinite(out.episode_return)
+            return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0))
 
         env_state, (traj, done, returns) = jax.lax.scan(step, ts.env_state, jax.random.split(k_steps, T))
         return env_state, reset_pool, traj, {"episodes": done.sum(), "return_sum": returns.sum()}

@@ -47,6 +47,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_jax  # noqa: E402
+import trudi_jax  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,6 +66,9 @@ class Bench:
     repeats: int = 5  # timed rounds per runner; the median is reported
     quick: bool = False  # small preset: both default tasks in ~15 minutes on 2 CPU cores
     json: str | None = None  # also write the results to this file
+    runners: tuple[str, ...] = ("ppo_jax", "brax_ppo")  # which of: ppo_jax brax_ppo trudi reppo
+    num_diffusion_steps: int = trudi_jax.Config.num_diffusion_steps  # TruDi's N
+    num_old_chains: int = trudi_jax.Config.num_old_chains  # TruDi's K
 
 
 QUICK = Bench(num_envs=128, rollout_steps=32, num_minibatches=8, num_epochs=8, iterations=4, repeats=3, quick=True)
@@ -104,10 +108,33 @@ class Runner(NamedTuple):
 # ppo_jax: AOT-compiled chunk, evaluation dropped from the program.
 # ---------------------------------------------------------------------------------------------
 def ppo_jax_runner(bench: Bench, env_name: str) -> Runner:
-    cfg = ppo_config(bench, env_name)
-    env = ppo_jax.make_env(env_name)
+    return jitted_runner(ppo_jax, ppo_config(bench, env_name), bench)
+
+
+def trudi_config(bench: Bench, env_name: str, actor: str) -> trudi_jax.Config:
+    """trudi_jax's cpu-preset networks with the bench's batch shape; actor 'gaussian' is REPPO."""
+    cfg = trudi_jax.Config(env=env_name, actor=actor, num_envs=bench.num_envs, rollout_steps=bench.rollout_steps,
+                           num_minibatches=bench.num_minibatches, num_epochs=bench.num_epochs,
+                           num_diffusion_steps=bench.num_diffusion_steps, num_old_chains=bench.num_old_chains,
+                           total_steps=bench.iterations * bench.num_envs * bench.rollout_steps,
+                           num_evals=1, num_eval_envs=1, plot=False)
+    trudi_jax.validate(cfg)
+    return cfg
+
+
+def trudi_runner(bench: Bench, env_name: str) -> Runner:
+    return jitted_runner(trudi_jax, trudi_config(bench, env_name, "diffusion"), bench)
+
+
+def reppo_runner(bench: Bench, env_name: str) -> Runner:
+    return jitted_runner(trudi_jax, trudi_config(bench, env_name, "gaussian"), bench)
+
+
+def jitted_runner(module, cfg, bench: Bench) -> Runner:
+    """An algorithm file's AOT-compiled training chunk (ppo_jax or trudi_jax), evaluation removed."""
+    env = module.make_env(cfg.env)
     start = time.perf_counter()
-    init, chunk, iters_per_chunk = ppo_jax.make_train(cfg, env)
+    init, chunk, iters_per_chunk = module.make_train(cfg, env)
     assert iters_per_chunk == bench.iterations, (iters_per_chunk, bench.iterations)
     ts = jax.block_until_ready(jax.jit(jax.vmap(init))(jax.random.PRNGKey(0)[None]))
 
@@ -208,7 +235,8 @@ def brax_ppo_runner(bench: Bench, env_name: str) -> Runner:
     return Runner(None, time.perf_counter() - start, run_block, close)
 
 
-RUNNERS: dict[str, Callable[[Bench, str], Runner]] = {"ppo_jax": ppo_jax_runner, "brax_ppo": brax_ppo_runner}
+RUNNERS: dict[str, Callable[[Bench, str], Runner]] = {"ppo_jax": ppo_jax_runner, "brax_ppo": brax_ppo_runner,
+                                                      "trudi": trudi_runner, "reppo": reppo_runner}
 BASELINE = "brax_ppo"  # the ratio column is <runner>_sps / BASELINE_sps
 
 
@@ -219,8 +247,8 @@ def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print) -> 
     """One result row for a task: median steps/s and compile seconds of every runner."""
     steps_per_block = bench.iterations * bench.num_envs * bench.rollout_steps
     runners = {}
-    for name, make in RUNNERS.items():
-        runners[name] = make(bench, env_name)
+    for name in bench.runners:
+        runners[name] = RUNNERS[name](bench, env_name)
         log(f"[{env_name}] {name}: ready (first block {runners[name].first_block_s:.1f} s)")
     seconds = {name: [] for name in runners}
     for round_ in range(bench.repeats):
@@ -236,6 +264,8 @@ def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print) -> 
         row[f"{name}_compile_s"] = compile_s
         row[f"{name}_sps_rounds"] = [steps_per_block / s for s in seconds[name]]
         row.update({f"{name}_{key}": value for key, value in runner.close().items()})
+    if "trudi" in runners and "reppo" in runners:
+        row["trudi_time_per_step_vs_reppo"] = row["reppo_sps"] / row["trudi_sps"]
     for name in runners:
         if name != BASELINE and BASELINE in runners:
             row["ratio" if name == "ppo_jax" else f"ratio_{name}"] = row[f"{name}_sps"] / row[f"{BASELINE}_sps"]
@@ -244,8 +274,10 @@ def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print) -> 
 
 def markdown_table(rows: list[dict]) -> str:
     names = [name for name in RUNNERS if f"{name}_sps" in rows[0]]
-    ratios = [key for key in rows[0] if key == "ratio" or key.startswith("ratio_")]
-    header = (["env"] + [f"{n} steps/s" for n in names] + [f"{r} (vs {BASELINE})" for r in ratios]
+    ratios = {key: f"{key} (vs {BASELINE})" for key in rows[0] if key == "ratio" or key.startswith("ratio_")}
+    if "trudi_sps" in rows[0] and "reppo_sps" in rows[0]:
+        ratios["trudi_time_per_step_vs_reppo"] = "TruDi time per step / REPPO's"
+    header = (["env"] + [f"{n} steps/s" for n in names] + list(ratios.values())
               + [f"{n} compile s" for n in names])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
