@@ -14,6 +14,11 @@ Choices worth knowing (the same as in trudi_jax.py):
   state; an environment that finishes takes its slot of the pool. A block of the pool is re-sampled
   every iteration so that the whole pool is renewed once per `episode_length` steps (resets can be
   costly: CheetahRun's runs 200 physics steps to settle).
+* Each environment's episode clock starts at a random point of the time limit (its first episode is
+  cut short and not reported), so episodes end staggered and every batch mixes all phases of an
+  episode; with synchronised clocks a 32-step batch holds one phase only, and the start of an
+  episode is seen once every episode_length / rollout_steps iterations.
+* Observations are normalised with a running mean/variance and clipped to +-10.
 * The observation normaliser (running mean/variance) is updated once per iteration, after the
   update, so the policy that collected a batch is exactly the one the PPO ratio starts from.
 * Policy: tanh-squashed diagonal Gaussian with a state-independent learned log-std (Brax's
@@ -34,6 +39,7 @@ import sys
 import time
 from typing import Any, Callable, Literal, NamedTuple
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -408,7 +414,7 @@ def make_train(cfg: Config, env: Env):
         params, opt_state = carry
         grads, metrics = jax.grad(ppo_loss, has_aux=True)(params, batch, policy, value_net, cfg)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         return (optax.apply_updates(params, updates), opt_state), metrics
 
     def iteration(ts: TrainState, _):
@@ -420,6 +426,7 @@ def make_train(cfg: Config, env: Env):
         next_value = value_net.apply(ts.params["value"], next_obs)[..., 0]
         advantage, target = gae(traj.reward, value, next_value, traj.terminated, traj.truncated,
                                 cfg.gamma, cfg.gae_lambda)
+        chex.assert_shape([advantage, target, traj.log_prob], (cfg.rollout_steps, cfg.num_envs))
         flat = jax.tree.map(lambda x: x.reshape((batch_size,) + x.shape[2:]),
                             Batch(obs, traj.u, traj.log_prob, advantage, target))
 

@@ -16,6 +16,11 @@ Choices this file makes where the specification leaves them open:
   draws fresh initial states from a pool of `num_envs` reset states kept in the train state, a block
   of which is re-sampled every iteration so that the whole pool is renewed once per `episode_length`
   steps (resets can be costly: CheetahRun's runs 200 physics steps to settle).
+* Each environment's episode clock starts at a random point of the time limit (its first episode is
+  cut short and not reported), so episodes end staggered and every batch mixes all phases of an
+  episode; with synchronised clocks a 32-step batch holds one phase only, and the start of an
+  episode is seen once every episode_length / rollout_steps iterations.
+* Observations are normalised with a running mean/variance and clipped to +-10.
 * The observation normaliser is updated once per iteration after the update, so the policy that
   collected the batch is exactly the "old" policy of the trust region.
 * The control net's output is soft-clipped, `c * tanh(u / c)` with c = `control_clip`, so it keeps a
@@ -38,6 +43,7 @@ import sys
 import time
 from typing import Any, Callable, Literal, NamedTuple
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -702,6 +708,8 @@ def make_train(cfg: Config, env: Env):
         key, k_roll, k_target, k_update = jax.random.split(ts.key, 4)
         env_state, reset_pool, traj, episode_stats = rollout(ts, k_roll)
         batch = targets(ts, traj, k_target)
+        chex.assert_shape([batch.target, batch.aux_mask, batch.reward], (T, B))
+        chex.assert_shape(batch.next_action, (T, B, env.action_size))
         flat = jax.tree.map(lambda x: x.reshape((T * B,) + x.shape[2:]), batch)
 
         def epoch(carry, k):

@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py --quick                          # both default tasks, ~15 min on 2 CPU cores
     python benchmarks/throughput.py --envs CheetahRun --num-envs 2048 --repeats 5 --json throughput.json
+    python benchmarks/throughput.py --quick --envs CartpoleBalance --runners trudi reppo --num-diffusion-steps 8
 
 Every runner compiles once (compile time is reported on its own, never mixed into steps/s) and runs one
 untimed warm-up block; then the runners are timed alternately, one block each per round
@@ -19,9 +20,12 @@ How each trainer is timed:
   setup: environment reset, network init). Brax's own `training/sps` timer is recorded as a check.
 
 Not the same work per step: Brax's Playground wrapper resets a finished environment to its cached first
-state, while ppo_jax samples num_envs fresh initial states every iteration; where a reset simulates
-(CheetahRun settles for 200 physics steps) that costs ppo_jax up to (200 + rollout_steps) / rollout_steps
-times Brax's physics per iteration.
+state, while the algorithm files keep a pool of fresh initial states and re-sample 1/(episode_length /
+rollout_steps) of it per iteration; where a reset simulates (CheetahRun settles for 200 physics steps), that
+costs about 200 * rollout_steps / episode_length extra physics steps per environment and iteration.
+
+TruDi and REPPO (`--runners trudi reppo`) use trudi_jax's cpu-preset networks with the bench's batch shape;
+the table then also gives TruDi's time per environment step relative to REPPO's.
 
 Add a trainer by adding an entry to RUNNERS: a function (bench, env name) -> Runner.
 """

@@ -1,0 +1,68 @@
+"""The environment layer is duplicated in ppo_jax.py and trudi_jax.py (each file stands alone): test both copies."""
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ppo_jax
+import trudi_jax
+
+ALGOS = pytest.mark.parametrize("algo", [ppo_jax, trudi_jax], ids=["ppo", "trudi"])
+
+
+@flax.struct.dataclass
+class CounterSim:
+    obs: jax.Array  # [steps since reset, id of the reset that started the episode]
+    reward: jax.Array
+    done: jax.Array
+
+
+def counter_env(algo):
+    def reset(key):
+        return CounterSim(jnp.array([0.0, jax.random.uniform(key)]), jnp.zeros(()), jnp.zeros(()))
+
+    def step(sim, action):
+        return sim.replace(obs=sim.obs.at[0].add(1.0), reward=jnp.ones(()), done=jnp.zeros(()))
+
+    return algo.Env(reset, step, 2, 1)
+
+
+@ALGOS
+def test_truncated_step_reports_final_obs_and_continues_from_pool(algo):
+    env = counter_env(algo)
+    state = algo.env_reset(env, jax.random.split(jax.random.PRNGKey(0), 2))._replace(t=jnp.array([2, 0]))
+    pool = algo.env_reset(env, jax.random.split(jax.random.PRNGKey(1), 2))
+    state, step = algo.env_step(env, state, jnp.zeros((2, 1)), pool, episode_length=3)
+    np.testing.assert_array_equal(step.truncated, [1.0, 0.0])
+    np.testing.assert_array_equal(step.terminated, [0.0, 0.0])
+    np.testing.assert_array_equal(step.final_obs[:, 0], [1.0, 1.0])  # the true next observation
+    np.testing.assert_array_equal(state.sim.obs[0], pool.sim.obs[0])  # env 0 restarted from its pool slot
+    np.testing.assert_array_equal(state.sim.obs[1, 0], 1.0)  # env 1 runs on
+    np.testing.assert_array_equal(state.t, [0, 1])
+
+
+@ALGOS
+def test_reset_pool_is_renewed_block_by_block_once_per_episode_length(algo):
+    env = counter_env(algo)
+    num_envs, episode_length, rollout_steps = 8, 100, 25
+    block = algo.reset_block_size(num_envs, episode_length, rollout_steps)
+    assert block == 2  # 4 iterations per episode length -> 4 blocks of 2
+    pool = algo.env_reset(env, jax.random.split(jax.random.PRNGKey(0), num_envs))
+    ids = [np.asarray(pool.sim.obs[:, 1])]
+    for iteration in range(4):
+        pool = algo.refresh_pool(env, pool, jax.random.PRNGKey(10 + iteration), iteration, block)
+        ids.append(np.asarray(pool.sim.obs[:, 1]))
+        changed = np.flatnonzero(ids[-1] != ids[-2])
+        np.testing.assert_array_equal(changed, [2 * iteration, 2 * iteration + 1])
+    assert np.all(ids[-1] != ids[0])  # after one episode length every slot is fresh
+
+
+@ALGOS
+def test_desynchronized_clocks_spread_over_the_time_limit_and_hide_cut_episodes(algo):
+    env = counter_env(algo)
+    state = algo.env_reset(env, jax.random.split(jax.random.PRNGKey(0), 256))
+    state = algo.desynchronize(state, jax.random.PRNGKey(1), 1000)
+    t = np.asarray(state.t)
+    assert t.min() >= 0 and t.max() < 1000 and len(np.unique(t)) > 200
+    assert np.all(np.isnan(np.asarray(state.ret)[t > 0]))  # a cut episode's return is never reported
