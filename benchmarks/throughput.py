@@ -73,6 +73,7 @@ class Bench:
     runners: tuple[str, ...] = ("ppo_jax", "brax_ppo")  # which of: ppo_jax brax_ppo trudi reppo
     num_diffusion_steps: int = trudi_jax.Config.num_diffusion_steps  # TruDi's N
     num_old_chains: int = trudi_jax.Config.num_old_chains  # TruDi's K
+    paper_networks: bool = False  # TruDi/REPPO/PPO networks (and TruDi's K) of each file's paper preset
 
 
 QUICK = Bench(num_envs=128, rollout_steps=32, num_minibatches=8, num_epochs=8, iterations=4, repeats=3, quick=True)
@@ -92,9 +93,11 @@ def parse_bench(argv: list[str]) -> Bench:
 
 def ppo_config(bench: Bench, env_name: str) -> ppo_jax.Config:
     """ppo_jax's config for one block of bench.iterations iterations; Brax reads the same fields."""
-    cfg = ppo_jax.Config(env=env_name, num_envs=bench.num_envs, rollout_steps=bench.rollout_steps,
+    base = ppo_jax.preset_config("paper", env_name) if bench.paper_networks else ppo_jax.Config()
+    cfg = dataclasses.replace(base, env=env_name, num_envs=bench.num_envs, rollout_steps=bench.rollout_steps,
                          num_minibatches=bench.num_minibatches, num_epochs=bench.num_epochs,
-                         policy_hidden=bench.policy_hidden, value_hidden=bench.value_hidden,
+                         policy_hidden=base.policy_hidden if bench.paper_networks else bench.policy_hidden,
+                         value_hidden=base.value_hidden if bench.paper_networks else bench.value_hidden,
                          total_steps=bench.iterations * bench.num_envs * bench.rollout_steps,
                          num_evals=1, num_eval_envs=1, plot=False)
     ppo_jax.validate(cfg)
@@ -116,10 +119,12 @@ def ppo_jax_runner(bench: Bench, env_name: str) -> Runner:
 
 
 def trudi_config(bench: Bench, env_name: str, actor: str) -> trudi_jax.Config:
-    """trudi_jax's cpu-preset networks with the bench's batch shape; actor 'gaussian' is REPPO."""
-    cfg = trudi_jax.Config(env=env_name, actor=actor, num_envs=bench.num_envs, rollout_steps=bench.rollout_steps,
-                           num_minibatches=bench.num_minibatches, num_epochs=bench.num_epochs,
-                           num_diffusion_steps=bench.num_diffusion_steps, num_old_chains=bench.num_old_chains,
+    """trudi_jax's cpu-preset (or paper-preset) networks with the bench's batch shape; 'gaussian' is REPPO."""
+    base = trudi_jax.preset_config("paper", env_name) if bench.paper_networks else trudi_jax.Config()
+    cfg = dataclasses.replace(base, env=env_name, actor=actor, num_envs=bench.num_envs,
+                           rollout_steps=bench.rollout_steps, num_minibatches=bench.num_minibatches,
+                           num_epochs=bench.num_epochs, num_diffusion_steps=bench.num_diffusion_steps,
+                           num_old_chains=base.num_old_chains if bench.paper_networks else bench.num_old_chains,
                            total_steps=bench.iterations * bench.num_envs * bench.rollout_steps,
                            num_evals=1, num_eval_envs=1, plot=False)
     trudi_jax.validate(cfg)
@@ -297,7 +302,7 @@ def main(argv: list[str]) -> list[dict]:
     context = {"num_envs": bench.num_envs, "rollout_steps": bench.rollout_steps,
                "num_minibatches": bench.num_minibatches, "num_epochs": bench.num_epochs,
                "policy_hidden": list(bench.policy_hidden), "value_hidden": list(bench.value_hidden),
-               "iterations_per_block": bench.iterations,
+               "iterations_per_block": bench.iterations, "paper_networks": bench.paper_networks,
                "steps_per_block": bench.iterations * bench.num_envs * bench.rollout_steps,
                "repeats": bench.repeats, "jax": jax.__version__, "brax": brax.__version__,
                "device": f"{jax.devices()[0].device_kind} x{jax.device_count()} ({os.cpu_count()} CPU cores)",

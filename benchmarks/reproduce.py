@@ -1,0 +1,91 @@
+"""Run an algorithm over a task set and seeds; write one long-format CSV of evaluation returns.
+
+    python benchmarks/reproduce.py --algo trudi --tasks cpu --seeds 3
+    python benchmarks/reproduce.py --algo reppo --tasks dmc --seeds 5 --preset paper
+    python benchmarks/reproduce.py --algo ppo --tasks brax --preset paper --out benchmarks/results/gpu/ppo_brax.csv
+
+Algorithms: `trudi` (trudi_jax.py), `reppo` (trudi_jax.py --actor gaussian), `ppo` (ppo_jax.py). The seeds of
+one task train together in one compiled program (`--num-seeds`, vmap). Each row of the CSV is
+`algo, env, seed, env_steps, eval_return, wall_s, status`; a run that dies (an exception, or a non-finite
+evaluation return) is recorded with its status instead of being dropped, and the next task still runs.
+Rows are appended as each task finishes, so an interrupted run keeps what it measured.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ppo_jax  # noqa: E402
+import trudi_jax  # noqa: E402
+
+TASK_SETS = {
+    "cpu": ("CartpoleBalance",),  # what 3 algorithms x 3 seeds finish in about 30 minutes on 2 cores
+    "dmc": ("AcrobotSwingup", "BallInCup", "CartpoleBalance", "CartpoleBalanceSparse", "CartpoleSwingup",
+            "CartpoleSwingupSparse", "CheetahRun", "FingerSpin", "FingerTurnEasy", "FingerTurnHard", "FishSwim",
+            "HopperHop", "HopperStand", "PendulumSwingup", "ReacherEasy", "ReacherHard", "WalkerRun",
+            "WalkerStand", "WalkerWalk"),
+    "humanoid": ("HumanoidStand", "HumanoidWalk", "HumanoidRun"),
+    "brax": ("humanoid", "ant", "halfcheetah", "hopper", "walker2d"),
+}
+ALGOS = {"trudi": (trudi_jax, []), "reppo": (trudi_jax, ["--actor", "gaussian"]), "ppo": (ppo_jax, [])}
+FIELDS = ["algo", "env", "seed", "env_steps", "eval_return", "wall_s", "status"]
+
+
+def run_task(algo: str, env: str, seeds: int, preset: str, extra: list[str], log=print) -> list[dict]:
+    """Train `seeds` seeds of one algorithm on one task; rows for the CSV (a failure is one row per seed)."""
+    module, algo_args = ALGOS[algo]
+    with tempfile.TemporaryDirectory() as out_dir:
+        argv = ["--env", env, "--preset", preset, "--num-seeds", str(seeds), "--out-dir", out_dir, "--no-plot",
+                *algo_args, *extra]
+        start = time.perf_counter()
+        try:
+            cfg = module.parse_config(argv)
+            rows = module.train(cfg, log=lambda line: log(f"  {line}"))
+        except (Exception, SystemExit) as error:  # recorded, not dropped; the next task still runs
+            message = f"failed: {type(error).__name__}: {error}".replace("\n", " ")[:300]
+            wall = round(time.perf_counter() - start, 1)
+            return [dict(algo=algo, env=env, seed=s, env_steps=0, eval_return=math.nan, wall_s=wall, status=message)
+                    for s in range(seeds)]
+    out = []
+    for row in rows:
+        finite = math.isfinite(row["eval_return"])
+        out.append(dict(algo=algo, env=env, seed=row["seed"], env_steps=row["env_steps"],
+                        eval_return=row["eval_return"], wall_s=row["wall_s"], status="ok" if finite else "nan"))
+    return out
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algo", required=True, choices=sorted(ALGOS))
+    parser.add_argument("--tasks", default="cpu", help=f"a task set ({', '.join(TASK_SETS)}) or comma-separated names")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--preset", default="cpu", choices=["cpu", "paper"])
+    parser.add_argument("--out", default=None, help="CSV to append to (default benchmarks/results/<preset>/reproduce.csv)")
+    args, extra = parser.parse_known_args(argv)  # anything else goes to the algorithm's own CLI
+    if args.seeds < 1:
+        raise SystemExit("error: --seeds must be positive")
+    tasks = TASK_SETS.get(args.tasks) or tuple(t for t in args.tasks.split(",") if t)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.preset, "reproduce.csv")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    new_file = not os.path.exists(out)
+    for env in tasks:
+        print(f"[reproduce] {args.algo} on {env}, {args.seeds} seeds, preset {args.preset}")
+        rows = run_task(args.algo, env, args.seeds, args.preset, extra)
+        with open(out, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
+            if new_file:
+                writer.writeheader()
+                new_file = False
+            writer.writerows(rows)
+        statuses = sorted({r["status"] for r in rows})
+        print(f"[reproduce] {args.algo} on {env}: {', '.join(statuses)} -> {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
