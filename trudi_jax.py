@@ -446,10 +446,11 @@ class Actor(NamedTuple):
 
 
 def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
+    """TruDi's actor: the controlled Langevin chain of N steps with learned friction, a = tanh(x_N)."""
     net = ControlNet(cfg.actor_hidden, action_size, cfg.control_clip)
     dt = time_steps(cfg.num_diffusion_steps, cfg.total_time, cfg.schedule)
     embedding = step_embedding(cfg.num_diffusion_steps)
-    N, K = cfg.num_diffusion_steps, cfg.num_old_chains
+    N, K, E = cfg.num_diffusion_steps, cfg.num_old_chains, embedding.shape[-1]
 
     def init(key):
         control = net.init(key, jnp.zeros((1, action_size)), jnp.zeros((1, obs_size)), embedding[:1])
@@ -460,7 +461,7 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
         return dt[:, None] / jax.nn.softplus(params["friction"])[None]
 
     def control_fn(params, obs):
-        return lambda x, n: net.apply(params["control"], x, obs, jnp.broadcast_to(embedding[n], x.shape[:-1] + (8,)))
+        return lambda x, n: net.apply(params["control"], x, obs, jnp.broadcast_to(embedding[n], x.shape[:-1] + (E,)))
 
     def sample_chain(params, obs, key, ode_coef=1.0, noise_scale=1.0, prior_scale=1.0):
         k0, k = jax.random.split(key)
@@ -473,11 +474,12 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
         return jnp.tanh(chain.xs[-1]), chain_log_prob(chain, cfg.prior_std)
 
     def trust_region_kl(old_params, params, obs, key):
+        """K old chains per state; the new kernels are evaluated at the old chain's states in one batch."""
         obs_k = jnp.broadcast_to(obs, (K,) + obs.shape).reshape((-1,) + obs.shape[1:])
         old = jax.lax.stop_gradient(sample_chain(old_params, obs_k, key))
         new_eta = eta(params)
         u = net.apply(params["control"], old.xs[:-1], jnp.broadcast_to(obs_k, (N,) + obs_k.shape),
-                      jnp.broadcast_to(embedding[:, None], (N, obs_k.shape[0], 8)))
+                      jnp.broadcast_to(embedding[:, None], (N, obs_k.shape[0], E)))
         new_means = old.xs[:-1] + per_step(new_eta, u) * (prior_drift(old.xs[:-1], cfg.prior_std) + u)
         return chain_kl(old, new_means, new_eta, cfg.kl_mode).reshape(K, -1).mean(0)
 
