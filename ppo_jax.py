@@ -32,6 +32,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import difflib
+import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -46,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,8 +82,25 @@ class Config:
     episode_length: int = 1000  # time limit (truncation, bootstrapped)
     num_evals: int = 10  # evaluations (and log lines) over the run
     num_eval_envs: int = 128  # fresh episodes per evaluation (deterministic policy)
-    out_dir: str = "runs/ppo"  # metrics.csv, config.json, curve.png go here
+    out_dir: str = "runs/ppo"  # metrics.csv, config.json, curve.png, checkpoint.msgpack go here
     plot: bool = True  # write <out_dir>/curve.png at the end
+    # run management: checkpoints, evaluation of a saved policy, video, devices, logging
+    checkpoint_every: int = 0  # write <out_dir>/checkpoint.msgpack every N log points (0: never)
+    resume: str | None = None  # continue the run whose checkpoint is in this directory (its config + your flags)
+    eval_only: bool = False  # evaluate --checkpoint for --eval-episodes fresh episodes; no training
+    checkpoint: str | None = None  # checkpoint file read by --eval-only
+    eval_episodes: int = 100  # fresh episodes of --eval-only
+    video: str | None = None  # render one evaluation episode to this .mp4 (after training, or with --eval-only)
+    distributed: bool = False  # call jax.distributed.initialize() first (multi-host GPU/TPU slices)
+    tensorboard: bool = False  # also log metrics to <out_dir>/tensorboard (needs tensorboardX)
+    wandb: bool = False  # also log metrics to Weights & Biases (needs wandb)
+    wandb_project: str = "ppo-jax"  # W&B project of --wandb
+
+
+# Fields that say how a run is managed, not what it computes: a checkpoint may be resumed with other values.
+RUN_FIELDS = ("out_dir", "plot", "checkpoint_every", "resume", "eval_only", "checkpoint", "eval_episodes",
+              "video", "distributed", "tensorboard", "wandb", "wandb_project")
+
 
 
 def preset_config(preset: str, env: str) -> Config:
@@ -100,9 +120,16 @@ def preset_config(preset: str, env: str) -> Config:
                   reward_scale=10.0, max_grad_norm=0.0, policy_hidden=(32,) * 4, value_hidden=(256,) * 5)
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, num_devices: int = 1) -> None:
     """Reject impossible configurations before anything compiles (one line, non-zero exit)."""
     checks = [
+        (cfg.num_envs % num_devices == 0,
+         f"--num-envs {cfg.num_envs} is not divisible across the {num_devices} devices"),
+        (cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}"),
+        (not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH"),
+        (cfg.eval_episodes > 0, f"--eval-episodes must be positive, got {cfg.eval_episodes}"),
+        (cfg.video is None or cfg.video.endswith(".mp4"), f"--video must name an .mp4 file, got {cfg.video!r}"),
+
         (cfg.total_steps > 0, f"--total-steps must be positive, got {cfg.total_steps}"),
         (cfg.num_envs > 0 and cfg.rollout_steps > 0, "--num-envs and --rollout-steps must be positive"),
         (cfg.num_seeds > 0, f"--num-seeds must be positive, got {cfg.num_seeds}"),
@@ -138,6 +165,8 @@ class Env(NamedTuple):
     step: Callable  # (simulator state, action) -> simulator state
     obs_size: int
     action_size: int
+    render: Callable | None = None  # (list of simulator states, height, width) -> list of RGB frames
+    dt: float = 0.02  # seconds per environment step (video frame rate)
 
 
 def make_env(name: str, backend: str = "mjx") -> Env:
@@ -146,9 +175,11 @@ def make_env(name: str, backend: str = "mjx") -> Env:
     if name in playground:
         from mujoco_playground import registry
         env = registry.load(name, config_overrides={"impl": "jax"})
+        render = lambda states, height, width: env.render(states, height=height, width=width)
     elif name in brax_names:
         from brax import envs
         env = envs.get_environment(name, backend=backend)
+        render = lambda states, height, width: env.render([s.pipeline_state for s in states], height, width)
     else:
         close = difflib.get_close_matches(name, playground + brax_names, n=5, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -156,7 +187,7 @@ def make_env(name: str, backend: str = "mjx") -> Env:
                          f"Brax e.g. humanoid)")
     obs_size = env.observation_size
     obs_size = obs_size["state"][0] if isinstance(obs_size, dict) else obs_size
-    return Env(env.reset, env.step, int(np.prod(obs_size)), int(env.action_size))
+    return Env(env.reset, env.step, int(np.prod(obs_size)), int(env.action_size), render, float(env.dt))
 
 
 def observation(sim_state) -> jax.Array:
@@ -175,7 +206,8 @@ class Step(NamedTuple):
     terminated: jax.Array  # episode ended by the task: no bootstrap
     truncated: jax.Array  # episode ended by the time limit: bootstrap from final_obs
     final_obs: jax.Array  # true next observation (before any auto-reset)
-    episode_return: jax.Array  # return of the episode that ended here (valid where done)
+    episode_return: jax.Array  # return of the episode that ended here (valid where done and finite)
+    blown_up: jax.Array  # the physics produced a non-finite observation or reward: env reset, step masked
 
 
 def env_reset(env: Env, keys: jax.Array) -> EnvState:
@@ -208,20 +240,28 @@ def refresh_pool(env: Env, pool: EnvState, key, iteration, block: int) -> EnvSta
 
 def env_step(env: Env, state: EnvState, action: jax.Array, reset_pool: EnvState,
              episode_length: int) -> tuple[EnvState, Step]:
-    """Step all environments; finished ones continue from their slot of a freshly sampled pool."""
+    """Step all environments; finished ones continue from their slot of a freshly sampled pool.
+
+    A physics blow-up (non-finite observation or reward) in one environment ends its episode like a time
+    limit, with reward 0 and the last finite observation as the final one, so no non-finite number
+    reaches the update; its return is not reported (NaN)."""
     sim = jax.vmap(env.step)(state.sim, action)
-    t, ret = state.t + 1, state.ret + sim.reward
-    terminated = sim.done > 0
-    truncated = (t >= episode_length) & ~terminated
+    obs = observation(sim)
+    blown_up = ~(jnp.isfinite(obs).all(-1) & jnp.isfinite(sim.reward))
+    reward = jnp.where(blown_up, 0.0, sim.reward)
+    t, ret = state.t + 1, jnp.where(blown_up, jnp.nan, state.ret + reward)
+    terminated = (sim.done > 0) & ~blown_up
+    truncated = ((t >= episode_length) | blown_up) & ~terminated
     done = terminated | truncated
-    step = Step(sim.reward, terminated.astype(jnp.float32), truncated.astype(jnp.float32), observation(sim), ret)
+    final_obs = jnp.where(blown_up[:, None], observation(state.sim), obs)
+    step = Step(reward, terminated.astype(jnp.float32), truncated.astype(jnp.float32), final_obs, ret,
+                blown_up.astype(jnp.float32))
 
     def pick(fresh, old):
         mask = done.reshape(done.shape + (1,) * (old.ndim - 1))
         return jnp.where(mask, fresh, old)
 
-    next_state = jax.tree.map(pick, reset_pool, EnvState(sim, t, ret))
-    return next_state, step
+    return jax.tree.map(pick, reset_pool, EnvState(sim, t, ret)), step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,10 +445,12 @@ def make_train(cfg: Config, env: Env):
                             out.final_obs)
             done = jnp.maximum(out.terminated, out.truncated)
             reported = done * jnp.isfinite(out.episode_return)
-            return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0))
+            return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0), out.blown_up)
 
-        env_state, (traj, done, returns) = jax.lax.scan(step, ts.env_state, jax.random.split(k_steps, cfg.rollout_steps))
-        return env_state, reset_pool, traj, {"episodes": done.sum(), "return_sum": returns.sum()}
+        env_state, (traj, done, returns, blown_up) = jax.lax.scan(step, ts.env_state,
+                                                                  jax.random.split(k_steps, cfg.rollout_steps))
+        stats = {"episodes": done.sum(), "return_sum": returns.sum(), "physics_resets": blown_up.sum()}
+        return env_state, reset_pool, traj, stats
 
     def update_minibatch(carry, batch: Batch):
         params, opt_state = carry
@@ -440,35 +482,60 @@ def make_train(cfg: Config, env: Env):
         metrics = jax.tree.map(jnp.mean, metrics)
         norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
         metrics.update(episode_stats)
+        metrics["nonfinite"] = ~jnp.stack([  # in the order of NONFINITE_CHECKS
+            all_finite((traj.obs, traj.next_obs)), all_finite(traj.reward),
+            jnp.isfinite(metrics["policy_loss"] + metrics["value_loss"]), all_finite(params)])
         return TrainState(params, opt_state, norm, env_state, reset_pool, key, ts.iteration + 1), metrics
 
     def chunk(ts: TrainState):
+        first_iteration = ts.iteration
         ts, metrics = jax.lax.scan(iteration, ts, None, length=iters_per_chunk)
         episodes, return_sum = metrics.pop("episodes").sum(), metrics.pop("return_sum").sum()
+        physics_resets, nonfinite = metrics.pop("physics_resets").sum(), metrics.pop("nonfinite")
         metrics = jax.tree.map(jnp.mean, metrics)
         metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
+        metrics["physics_resets"] = physics_resets
+        metrics.update(first_nonfinite(nonfinite, first_iteration))
         key, k_eval = jax.random.split(ts.key)
-        metrics["eval_return"], metrics["eval_return_std"] = evaluate(ts.params, ts.norm, k_eval)
+        act = eval_policy(cfg, policy, ts.params, ts.norm)
+        metrics["eval_return"], metrics["eval_return_std"] = run_episodes(env, act, k_eval, cfg.num_eval_envs,
+                                                                          cfg.episode_length)
         return ts._replace(key=key), metrics
 
-    def evaluate(params, norm, key):
-        """Deterministic policy a = tanh(mu(s)) on fresh episodes; returns mean and std of returns."""
-        return run_episodes(env, lambda obs: jnp.tanh(policy.apply(
-            params["policy"], normalize(norm, obs, cfg.normalize_obs))[0]), key, cfg.num_eval_envs,
-            cfg.episode_length)
-
     return init, chunk, iters_per_chunk
+
+
+def all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
+NONFINITE_CHECKS = ("observations", "rewards", "loss", "parameters")
+
+
+def first_nonfinite(nonfinite: jax.Array, first_iteration) -> dict:
+    """The first iteration of a chunk with a non-finite quantity (-1 if none) and the first such quantity."""
+    bad = nonfinite.any(-1)
+    i = jnp.argmax(bad)
+    return {"nonfinite_iteration": jnp.where(bad.any(), first_iteration + i, -1),
+            "nonfinite_check": jnp.argmax(nonfinite[i])}
+
+
+def eval_policy(cfg: Config, policy: Policy, params, norm: Normalizer) -> Callable:
+    """The deterministic evaluation policy obs -> a = tanh(mu(s))."""
+    return lambda obs: jnp.tanh(policy.apply(params["policy"], normalize(norm, obs, cfg.normalize_obs))[0])
 
 
 # ---------------------------------------------------------------------------------------------
 # Evaluation: fresh episodes, no auto-reset, return summed until the first end.
 # ---------------------------------------------------------------------------------------------
 def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_length: int):
+    """Mean and std of the returns of fresh episodes (a physics blow-up ends an episode, its reward dropped)."""
     sim = jax.vmap(env.reset)(jax.random.split(key, num_episodes))
 
     def step(carry, _):
         sim, alive, ret = carry
         sim = jax.vmap(env.step)(sim, actor(observation(sim)))
+        alive = alive * jnp.isfinite(observation(sim)).all(-1) * jnp.isfinite(sim.reward)
         ret = ret + jnp.where(alive > 0, sim.reward, 0.0)
         return (sim, alive * (1.0 - (sim.done > 0)), ret), None
 
@@ -477,48 +544,307 @@ def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_leng
     return ret.mean(), ret.std()
 
 
+def record_episode(env: Env, act: Callable, key, episode_length: int) -> list:
+    """One evaluation episode of one environment: its simulator states until it ends, on the host."""
+    @jax.jit
+    def rollout(key):
+        sim = jax.vmap(env.reset)(key[None])
+
+        def step(sim, _):
+            sim = jax.vmap(env.step)(sim, act(observation(sim)))
+            return sim, sim
+
+        return sim, jax.lax.scan(step, sim, None, length=episode_length)[1]
+
+    first, sims = jax.device_get(rollout(key))
+    states = [jax.tree.map(lambda x: x[0], first)]
+    for i in range(episode_length):
+        states.append(jax.tree.map(lambda x: x[i, 0], sims))
+        if states[-1].done > 0 or not np.isfinite(observation(states[-1])).all():
+            break
+    return states
+
+
+def write_video(env: Env, states: list, path: str, height: int = 240, width: int = 320) -> None:
+    """Render the states headless (MuJoCo renderer, EGL unless MUJOCO_GL says otherwise) to an .mp4, atomically,
+    and its middle frame to a .png next to it."""
+    import imageio_ffmpeg
+    frames = env.render(states, height, width)
+    tmp = path[:-len(".mp4")] + ".tmp.mp4"
+    writer = imageio_ffmpeg.write_frames(tmp, (width, height), fps=round(1 / env.dt), macro_block_size=8)
+    writer.send(None)
+    for frame in frames:
+        writer.send(np.ascontiguousarray(frame))
+    writer.close()
+    os.replace(tmp, path)
+    import matplotlib.pyplot as plt
+    plt.imsave(path[:-len(".mp4")] + ".png", frames[len(frames) // 2])
+
+
+def check_video_support(env: Env) -> None:
+    """--video needs a renderer for the task and an mp4 encoder; say so before anything compiles."""
+    if env.render is None:
+        raise SystemExit("error: --video: this task has no renderer")
+    if importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise SystemExit("error: --video needs the imageio-ffmpeg package (pip install imageio-ffmpeg)")
+
+
 # ---------------------------------------------------------------------------------------------
-# Host loop: compile once, run chunks, log progress, write metrics.csv / config.json / curve.png.
+# Checkpoints: the whole train state as data (msgpack of its arrays), checksummed, written atomically.
+# ---------------------------------------------------------------------------------------------
+CHECKPOINT_MAGIC = b"ppo_jax checkpoint v1\n"
+
+
+def save_checkpoint(path: str, state, meta: dict) -> int:
+    """Write the leaves of a train-state pytree (host arrays) and a JSON header; returns the size in bytes.
+
+    Layout: magic line, JSON header line (config, counters, shapes), sha256 line, msgpack of the leaves.
+    A temporary file is renamed over the old checkpoint, so a crash mid-write leaves the previous one."""
+    from flax import serialization
+    leaves = [np.asarray(x) for x in jax.tree.leaves(state)]
+    payload = serialization.msgpack_serialize({str(i): x for i, x in enumerate(leaves)})
+    header = json.dumps(meta | {"leaves": [[list(x.shape), x.dtype.name] for x in leaves]}).encode() + b"\n"
+    digest = hashlib.sha256(header + payload).hexdigest().encode() + b"\n"
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(CHECKPOINT_MAGIC + header + digest)
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(CHECKPOINT_MAGIC) + len(header) + len(digest) + len(payload)
+
+
+def read_checkpoint(path: str, verify: bool = True) -> tuple[dict, bytes]:
+    """Header and payload of a checkpoint; anything else (missing, foreign, truncated, modified) is refused."""
+    try:
+        with open(path, "rb") as f:
+            magic, header, digest = f.readline(), f.readline(), f.readline()
+            payload = f.read() if verify else b""
+    except OSError as e:
+        raise SystemExit(f"error: cannot read checkpoint {path}: {e.strerror}") from None
+    if magic != CHECKPOINT_MAGIC:
+        raise SystemExit(f"error: {path} is not a ppo_jax checkpoint")
+    try:
+        meta = json.loads(header)
+    except ValueError:
+        raise SystemExit(f"error: corrupt checkpoint {path} (unreadable header)") from None
+    if verify and hashlib.sha256(header + payload).hexdigest().encode() + b"\n" != digest:
+        raise SystemExit(f"error: corrupt checkpoint {path} (checksum mismatch: truncated or modified)")
+    return meta, payload
+
+
+def restore_state(path: str, meta: dict, payload: bytes, template, shardings=None):
+    """The checkpoint's arrays in the template's pytree (same shapes and dtypes), placed with `shardings`."""
+    from flax import serialization
+    leaves, treedef = jax.tree.flatten(template)
+    expected = [[list(x.shape), np.dtype(x.dtype).name] for x in leaves]
+    if meta.get("leaves") != expected:
+        raise SystemExit(f"error: checkpoint {path} does not fit this configuration's train state "
+                         f"({len(meta.get('leaves', []))} arrays saved, {len(expected)} expected, or other shapes)")
+    try:
+        data = serialization.msgpack_restore(payload)
+        arrays = [np.asarray(data[str(i)]) for i in range(len(leaves))]
+    except Exception:
+        raise SystemExit(f"error: corrupt checkpoint {path} (unreadable arrays)") from None
+    if shardings is None:
+        return jax.tree.unflatten(treedef, [jnp.asarray(a) for a in arrays])
+    placed = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+              for a, sharding in zip(arrays, jax.tree.leaves(shardings))]
+    return jax.tree.unflatten(treedef, placed)
+
+
+def config_dict(cfg: Config) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def config_from_dict(saved: dict) -> Config:
+    return Config(**{f.name: tuple(saved[f.name]) if isinstance(saved[f.name], list) else saved[f.name]
+                     for f in dataclasses.fields(Config) if f.name in saved})
+
+
+def check_same_run(path: str, saved: dict, cfg: Config) -> None:
+    """Refuse to resume a checkpoint whose task or algorithm settings differ from the configuration's."""
+    diff = [f"{k} {saved.get(k)!r} != {v!r}" for k, v in config_dict(cfg).items()
+            if k not in RUN_FIELDS and saved.get(k) != v]
+    if diff:
+        raise SystemExit(f"error: checkpoint {path} is from a different task/config: {'; '.join(diff)}")
+
+
+def host_copy(tree):
+    """The full arrays of a (possibly multi-host) sharded pytree on every host."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and logging: environments split across all devices, parameters replicated; optional sinks.
+# ---------------------------------------------------------------------------------------------
+def state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
+    """Environment axis (after the seed axis) of env states and reset pool split over the mesh; rest replicated.
+    The compiler partitions the program accordingly and inserts the reductions (gradients, normaliser)."""
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "envs"))
+    shardings = jax.tree.map(lambda _: replicated, abstract_state)
+    return shardings._replace(env_state=jax.tree.map(lambda _: split, abstract_state.env_state),
+                              reset_pool=jax.tree.map(lambda _: split, abstract_state.reset_pool))
+
+
+def open_sinks(cfg: Config, name: str) -> list[tuple[Callable, Callable]]:
+    """(log(row, step), close()) for --tensorboard / --wandb; a missing package fails before compiling."""
+    sinks = []
+    if cfg.tensorboard:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise SystemExit("error: --tensorboard needs the tensorboardX package (pip install tensorboardX)") from None
+        writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+
+        def to_tensorboard(row, step):
+            for k, v in row.items():
+                writer.add_scalar(k, v, step)
+            writer.flush()
+        sinks.append((to_tensorboard, writer.close))
+    if cfg.wandb:
+        try:
+            import wandb
+        except ImportError:
+            raise SystemExit("error: --wandb needs the wandb package (pip install wandb)") from None
+        run = wandb.init(project=cfg.wandb_project, name=f"{name}-{cfg.env}-{cfg.seed}", dir=cfg.out_dir,
+                         config=config_dict(cfg))
+        sinks.append((lambda row, step: run.log(row, step=step), run.finish))
+    return sinks
+
+
+# ---------------------------------------------------------------------------------------------
+# Host loop: compile once, run chunks, log progress, write metrics.csv / config.json / curve.png,
+# checkpoints; stop on non-finite numbers. Evaluation of a saved policy.
 # ---------------------------------------------------------------------------------------------
 def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
-    """Train cfg.num_seeds seeds; returns one metrics row per (log point, seed)."""
-    validate(cfg)
+    """Train cfg.num_seeds seeds (or continue --resume); returns one metrics row per (log point, seed)."""
+    if cfg.distributed:
+        jax.distributed.initialize()
+    validate(cfg, jax.device_count())
+    name = "ppo"
+    lead = jax.process_index() == 0  # the host that writes files and logs
+    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.msgpack")
+    if cfg.resume:  # read and check before compiling
+        resume_path = os.path.join(cfg.resume, "checkpoint.msgpack")
+        meta, payload = read_checkpoint(resume_path)
+        check_same_run(resume_path, meta["config"], cfg)
+    if cfg.video:  # headless rendering; must be chosen before MuJoCo is first imported
+        os.environ.setdefault("MUJOCO_GL", "egl")
     env = make_env(cfg.env, cfg.backend)
+    if cfg.video:
+        check_video_support(env)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    sinks = open_sinks(cfg, name) if lead else []
     init, chunk, iters_per_chunk = make_train(cfg, env)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
-    ts = jax.jit(jax.vmap(init))(keys)
+    mesh = Mesh(np.array(jax.devices()), ("envs",))
+    shardings = state_shardings(jax.eval_shape(jax.vmap(init), keys), mesh)
+    if cfg.resume:
+        ts = restore_state(resume_path, meta, payload, jax.eval_shape(jax.vmap(init), keys), shardings)
+        rows, first_chunk, wall = meta["rows"], meta["chunks_done"], meta["wall_s"]
+        log(f"[{name} {cfg.env}] resuming {resume_path} after {meta['env_steps']:,} env steps")
+    else:
+        ts = jax.jit(jax.vmap(init), out_shardings=shardings)(keys)
+        rows, first_chunk, wall = [], 0, 0.0
     start = time.perf_counter()
-    compiled = jax.jit(jax.vmap(chunk), donate_argnums=0).lower(ts).compile()
+    compiled = jax.jit(jax.vmap(chunk), in_shardings=(shardings,), out_shardings=(shardings, NamedSharding(mesh, P())),
+                       donate_argnums=0).lower(ts).compile()
     compile_s = time.perf_counter() - start
-    log(f"[ppo {cfg.env}] compiled the training program in {compile_s:.1f} s")
-
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg) | {"compile_s": compile_s, "jax": jax.__version__,
-                                             "device": str(jax.devices()[0])}, f, indent=2)
+    log(f"[{name} {cfg.env}] compiled the training program in {compile_s:.1f} s ({jax.device_count()} devices)")
+    if lead:
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(config_dict(cfg) | {"compile_s": compile_s, "jax": jax.__version__,
+                                          "devices": [str(d) for d in jax.devices()]}, f, indent=2)
     steps_per_chunk = iters_per_chunk * cfg.num_envs * cfg.rollout_steps
-    rows, wall = [], 0.0
-    for i in range(cfg.num_evals):
+    for i in range(first_chunk, cfg.num_evals):
         start = time.perf_counter()
         ts, metrics = compiled(ts)
         metrics = jax.device_get(metrics)
         dt = time.perf_counter() - start
         wall += dt
         env_steps = (i + 1) * steps_per_chunk
+        stop_if_nonfinite(metrics, ckpt_path if cfg.checkpoint_every and os.path.exists(ckpt_path) else None)
         sps = steps_per_chunk * cfg.num_seeds / dt
         for s in range(cfg.num_seeds):
             row = {"env_steps": env_steps, "seed": cfg.seed if cfg.num_seeds == 1 else s, "wall_s": round(wall, 3),
                    "steps_per_sec": round(sps, 1)}
             row.update({k: float(v[s]) for k, v in metrics.items()})
             rows.append(row)
+            for sink, _ in sinks:
+                sink({(f"seed{s}/{k}" if cfg.num_seeds > 1 else k): v for k, v in row.items()}, env_steps)
+        if lead:
+            write_csv(os.path.join(cfg.out_dir, "metrics.csv"), rows)
+        if cfg.checkpoint_every and ((i + 1) % cfg.checkpoint_every == 0 or i + 1 == cfg.num_evals):
+            start, state = time.perf_counter(), host_copy(ts)
+            if lead:
+                size = save_checkpoint(ckpt_path, state, {"config": config_dict(cfg), "chunks_done": i + 1,
+                                                          "env_steps": env_steps, "wall_s": wall, "rows": rows})
+                log(f"[{name} {cfg.env}] checkpoint {ckpt_path}: {size / 2**20:.1f} MiB in "
+                    f"{time.perf_counter() - start:.2f} s")
         eta = (cfg.num_evals - i - 1) * wall / (i + 1)
-        log(f"[ppo {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
-            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.mean(metrics['train_return']):.1f} | "
+        resets = f" | physics resets {int(np.sum(metrics['physics_resets']))}" if np.sum(metrics['physics_resets']) else ""
+        log(f"[{name} {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
+            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.mean(metrics['train_return']):.1f}{resets} | "
             f"ETA {eta:.0f} s")
-        write_csv(os.path.join(cfg.out_dir, "metrics.csv"), rows)
-    if cfg.plot:
-        plot_curve(rows, os.path.join(cfg.out_dir, "curve.png"), f"PPO on {cfg.env}")
+    for _, close in sinks:
+        close()
+    if lead and cfg.plot:
+        plot_curve(rows, os.path.join(cfg.out_dir, "curve.png"), f"{name.upper()} on {cfg.env}")
+    if lead and cfg.video:
+        seed0 = jax.tree.map(lambda x: np.asarray(x)[0], host_copy((ts.params, ts.norm)))
+        policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
+        states = record_episode(env, eval_policy(cfg, policy, *seed0), jax.random.PRNGKey(cfg.seed), cfg.episode_length)
+        write_video(env, states, cfg.video)
+        log(f"[{name} {cfg.env}] video of one evaluation episode ({len(states) - 1} steps): {cfg.video}")
     return rows
+
+
+def stop_if_nonfinite(metrics: dict, last_checkpoint: str | None) -> None:
+    """Exit naming the first non-finite quantity (and where), if a chunk produced one; nothing more is written."""
+    iteration, check = metrics.pop("nonfinite_iteration"), metrics.pop("nonfinite_check")
+    bad = [s for s in range(len(iteration)) if iteration[s] >= 0]
+    if bad:
+        s = min(bad, key=lambda s: iteration[s])
+        kept = f"last good checkpoint kept: {last_checkpoint}" if last_checkpoint else "no checkpoint written"
+        raise SystemExit(f"error: non-finite {NONFINITE_CHECKS[check[s]]} at iteration {iteration[s]} "
+                         f"(seed index {s}); stopped, {kept}")
+
+
+def evaluate_checkpoint(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
+    """--eval-only: mean and std of the evaluation return over --eval-episodes fresh episodes, per saved seed."""
+    validate(cfg)
+    meta, payload = read_checkpoint(cfg.checkpoint)
+    if meta["config"].get("env") != cfg.env:
+        raise SystemExit(f"error: checkpoint {cfg.checkpoint} is from {meta['config'].get('env')!r}, not {cfg.env!r}")
+    if cfg.video:  # headless rendering; must be chosen before MuJoCo is first imported
+        os.environ.setdefault("MUJOCO_GL", "egl")
+    env = make_env(cfg.env, cfg.backend)
+    if cfg.video:
+        check_video_support(env)
+    init, _, _ = make_train(cfg, env)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
+    ts = restore_state(cfg.checkpoint, meta, payload, jax.eval_shape(jax.vmap(init), keys))
+    policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
+    evaluate = jax.jit(lambda params, norm, key: run_episodes(
+        env, eval_policy(cfg, policy, params, norm), key, cfg.eval_episodes, cfg.episode_length))
+    results = []
+    for s in range(cfg.num_seeds):
+        params, norm = jax.tree.map(lambda x: x[s], (ts.params, ts.norm))
+        mean, std = map(float, evaluate(params, norm, jax.random.PRNGKey(cfg.seed)))
+        results.append({"seed": s, "env_steps": meta["env_steps"], "eval_return": mean, "eval_return_std": std})
+        log(f"[{cfg.checkpoint} seed index {s}, {meta['env_steps']:,} env steps] eval return {mean:.1f} ± "
+            f"{std:.1f} over {cfg.eval_episodes} episodes")
+        if cfg.video and s == 0:
+            states = record_episode(env, eval_policy(cfg, policy, params, norm), jax.random.PRNGKey(cfg.seed),
+                                    cfg.episode_length)
+            write_video(env, states, cfg.video)
+            log(f"video of one evaluation episode ({len(states) - 1} steps): {cfg.video}")
+    return results
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -555,11 +881,19 @@ def parse_config(argv: list[str]) -> Config:
             if arg.startswith(flag + "="):
                 return arg.split("=", 1)[1]
         return default
-    preset, env = peek("--preset", "cpu"), peek("--env", Config.env)
-    if preset not in ("cpu", "paper"):
-        raise SystemExit(f"error: unknown preset {preset!r}; choose cpu or paper")
-    return tyro.cli(Config, default=preset_config(preset, env), args=argv)
+    resume, checkpoint = peek("--resume", None), peek("--checkpoint", None)
+    if resume or (checkpoint and "--eval-only" in argv):  # start from the saved run's configuration
+        path = os.path.join(resume, "checkpoint.msgpack") if resume else checkpoint
+        default = config_from_dict(read_checkpoint(path, verify=False)[0]["config"])
+        default = dataclasses.replace(default, out_dir=resume) if resume else default
+    else:
+        preset, env = peek("--preset", "cpu"), peek("--env", Config.env)
+        if preset not in ("cpu", "paper"):
+            raise SystemExit(f"error: unknown preset {preset!r}; choose cpu or paper")
+        default = preset_config(preset, env)
+    return tyro.cli(Config, default=default, args=argv)
 
 
 if __name__ == "__main__":
-    train(parse_config(sys.argv[1:]))
+    config = parse_config(sys.argv[1:])
+    evaluate_checkpoint(config) if config.eval_only else train(config)
