@@ -29,16 +29,19 @@ Choices worth knowing (the same as in trudi_jax.py):
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import difflib
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
 import sys
 import time
+import warnings
 from typing import Any, Callable, Literal, NamedTuple
 
 import chex
@@ -92,6 +95,9 @@ class Config:
     eval_episodes: int = 100  # fresh episodes of --eval-only
     video: str | None = None  # render one evaluation episode to this .mp4 (after training, or with --eval-only)
     distributed: bool = False  # call jax.distributed.initialize() first (multi-host GPU/TPU slices)
+    coordinator_address: str | None = None  # --distributed: host:port of process 0 (None: detect, e.g. SLURM/TPU)
+    num_processes: int | None = None  # --distributed: number of processes (None: detect)
+    process_id: int | None = None  # --distributed: this process's index (None: detect)
     tensorboard: bool = False  # also log metrics to <out_dir>/tensorboard (needs tensorboardX)
     wandb: bool = False  # also log metrics to Weights & Biases (needs wandb)
     wandb_project: str = "ppo-jax"  # W&B project of --wandb
@@ -99,7 +105,8 @@ class Config:
 
 # Fields that say how a run is managed, not what it computes: a checkpoint may be resumed with other values.
 RUN_FIELDS = ("out_dir", "plot", "checkpoint_every", "resume", "eval_only", "checkpoint", "eval_episodes",
-              "video", "distributed", "tensorboard", "wandb", "wandb_project")
+              "video", "distributed", "coordinator_address", "num_processes", "process_id", "tensorboard", "wandb",
+              "wandb_project")
 
 
 
@@ -175,6 +182,9 @@ def make_env(name: str, backend: str = "mjx") -> Env:
     if name in playground:
         from mujoco_playground import registry
         env = registry.load(name, config_overrides={"impl": "jax"})
+        if jax.process_count() > 1:  # MJX puts the model on jax.devices()[0], a device of host 0 only
+            from mujoco import mjx
+            env._mjx_model = mjx.put_model(env.mj_model, impl="jax", device=jax.local_devices()[0])
         render = lambda states, height, width: env.render(states, height=height, width=width)
     elif name in brax_names:
         from brax import envs
@@ -569,10 +579,13 @@ def write_video(env: Env, states: list, path: str, height: int = 240, width: int
     """Render the states headless (MuJoCo renderer, EGL unless MUJOCO_GL says otherwise) to an .mp4, atomically,
     and its middle frame to a .png next to it."""
     import imageio_ffmpeg
-    frames = env.render(states, height, width)
+    with contextlib.redirect_stderr(io.StringIO()):  # Playground's renderer draws a progress bar
+        frames = env.render(states, height, width)
     tmp = path[:-len(".mp4")] + ".tmp.mp4"
     writer = imageio_ffmpeg.write_frames(tmp, (width, height), fps=round(1 / env.dt), macro_block_size=8)
-    writer.send(None)
+    with warnings.catch_warnings():  # JAX warns on any fork; this one execs ffmpeg at once
+        warnings.filterwarnings("ignore", message="os.fork")
+        writer.send(None)
     for frame in frames:
         writer.send(np.ascontiguousarray(frame))
     writer.close()
@@ -724,10 +737,11 @@ def open_sinks(cfg: Config, name: str) -> list[tuple[Callable, Callable]]:
 def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
     """Train cfg.num_seeds seeds (or continue --resume); returns one metrics row per (log point, seed)."""
     if cfg.distributed:
-        jax.distributed.initialize()
+        jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     validate(cfg, jax.device_count())
     name = "ppo"
     lead = jax.process_index() == 0  # the host that writes files and logs
+    log = log if lead else (lambda line: None)
     ckpt_path = os.path.join(cfg.out_dir, "checkpoint.msgpack")
     if cfg.resume:  # read and check before compiling
         resume_path = os.path.join(cfg.resume, "checkpoint.msgpack")
@@ -755,7 +769,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
     compiled = jax.jit(jax.vmap(chunk), in_shardings=(shardings,), out_shardings=(shardings, NamedSharding(mesh, P())),
                        donate_argnums=0).lower(ts).compile()
     compile_s = time.perf_counter() - start
-    log(f"[{name} {cfg.env}] compiled the training program in {compile_s:.1f} s ({jax.device_count()} devices)")
+    log(f"[{name} {cfg.env}] compiled the training program in {compile_s:.1f} s ({jax.device_count()} device{"s" * (jax.device_count() > 1)})")
     if lead:
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config_dict(cfg) | {"compile_s": compile_s, "jax": jax.__version__,
@@ -885,7 +899,10 @@ def parse_config(argv: list[str]) -> Config:
     if resume or (checkpoint and "--eval-only" in argv):  # start from the saved run's configuration
         path = os.path.join(resume, "checkpoint.msgpack") if resume else checkpoint
         default = config_from_dict(read_checkpoint(path, verify=False)[0]["config"])
-        default = dataclasses.replace(default, out_dir=resume) if resume else default
+        if resume:  # continue in that directory, checkpointing and logging as before
+            default = dataclasses.replace(default, out_dir=resume)
+        else:  # evaluation only: nothing of how the run was managed carries over
+            default = dataclasses.replace(default, **{f: getattr(Config(), f) for f in RUN_FIELDS})
     else:
         preset, env = peek("--preset", "cpu"), peek("--env", Config.env)
         if preset not in ("cpu", "paper"):
