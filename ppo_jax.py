@@ -769,7 +769,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
     compiled = jax.jit(jax.vmap(chunk), in_shardings=(shardings,), out_shardings=(shardings, NamedSharding(mesh, P())),
                        donate_argnums=0).lower(ts).compile()
     compile_s = time.perf_counter() - start
-    log(f"[{name} {cfg.env}] compiled the training program in {compile_s:.1f} s ({jax.device_count()} device{"s" * (jax.device_count() > 1)})")
+    devices = f"{jax.device_count()} device" + "s" * (jax.device_count() > 1)
+    log(f"[{name} {cfg.env}] compiled the training program in {compile_s:.1f} s ({devices})")
     if lead:
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config_dict(cfg) | {"compile_s": compile_s, "jax": jax.__version__,
