@@ -1095,7 +1095,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
                 log(f"[{name} {cfg.env}] checkpoint {ckpt_path}: {size / 2**20:.1f} MiB in "
                     f"{time.perf_counter() - start:.2f} s")
         eta = (cfg.num_evals - i - 1) * wall / (i + 1)
-        resets = f" | physics resets {int(np.sum(metrics['physics_resets']))}" if np.sum(metrics['physics_resets']) else ""
+        num_resets = int(np.sum(metrics["physics_resets"]))
+        resets = f" | physics resets {num_resets}" if num_resets else ""
         log(f"[{name} {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
             f"eval {np.mean(metrics['eval_return']):.1f} | train {np.mean(metrics['train_return']):.1f} | "
             f"kl {np.mean(metrics['kl']):.3f} | alpha {np.mean(metrics['alpha']):.3g} | "
