@@ -222,6 +222,35 @@ def test_video_of_an_evaluation_episode(algo, full_run, tmp_path):
     assert frame.shape[:2] == (240, 320) and frame[..., :3].std() > 0.01  # a picture, not a blank frame
 
 
+BRAX_VIDEO = """
+import os, sys
+os.environ["MUJOCO_GL"] = "egl"
+import jax, numpy as np, matplotlib.pyplot as plt
+import ppo_jax, trudi_jax
+for algo in (ppo_jax, trudi_jax):
+    env = algo.make_env("inverted_pendulum")
+    act = lambda obs, *key: np.full((obs.shape[0], env.action_size), 0.5)  # PPO's acts without a key
+    states = algo.record_episode(env, act, jax.random.key(0), 6)
+    path = os.path.join(sys.argv[1], algo.__name__ + ".mp4")
+    algo.write_video(env, states, path)
+    frame = plt.imread(path[:-4] + ".png")
+    print(algo.__name__, len(states), os.path.getsize(path), open(path, "rb").read(8)[4:].decode(),
+          frame.shape[0], frame.shape[1], float(frame[..., :3].std()))
+"""
+
+
+def test_brax_task_renders_to_video(tmp_path):
+    """The Brax render path (pipeline states through brax.io.image) of both files, without training."""
+    proc = subprocess.run([sys.executable, "-c", BRAX_VIDEO, str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert [line[0] for line in lines] == ["ppo_jax", "trudi_jax"]
+    for _, num_states, size, box, height, width, std in lines:
+        assert int(num_states) >= 2 and int(size) > 1000 and box == "ftyp"
+        assert (int(height), int(width)) == (240, 320) and float(std) > 0.01
+
+
 # ---------------------------------------------------------------------------------------------
 # Failures: physics blow-ups, non-finite numbers
 # ---------------------------------------------------------------------------------------------
