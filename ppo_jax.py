@@ -63,7 +63,7 @@ class Config:
     preset: Literal["cpu", "paper"] = "cpu"  # starting values; explicit flags override them
     backend: Literal["mjx", "generalized", "positional", "spring"] = "mjx"  # Brax tasks only
     seed: int = 0  # master seed; seed i of --num-seeds uses fold_in(seed, i)
-    num_seeds: int = 1  # independent seeds trained in one compiled program (vmap)
+    num_seeds: int = 1  # independent seeds trained in one compiled program (vmapped when more than one)
     total_steps: int = 1_500_000  # environment steps per seed
     num_envs: int = 64  # parallel environments
     rollout_steps: int = 32  # steps per environment per iteration
@@ -695,6 +695,17 @@ def host_copy(tree):
 # ---------------------------------------------------------------------------------------------
 # Devices and logging: environments split across all devices, parameters replicated; optional sinks.
 # ---------------------------------------------------------------------------------------------
+def over_seeds(fn: Callable) -> Callable:
+    """fn mapped over the leading seed axis of its arguments and results. A single seed is a plain call on
+    the squeezed arguments instead of a vmap: a seed vmap around the physics (itself vmapped over
+    environments) made MJX steps 1.9x slower on CPU (CheetahRun, 128 envs: 30.5k vs 57k steps/s)."""
+    def mapped(*args):
+        if jax.tree.leaves(args)[0].shape[0] > 1:
+            return jax.vmap(fn)(*args)
+        return jax.tree.map(lambda x: x[None], fn(*jax.tree.map(lambda x: x[0], args)))
+    return mapped
+
+
 def state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
     """Environment axis (after the seed axis) of env states and reset pool split over the mesh; rest replicated.
     The compiler partitions the program accordingly and inserts the reductions (gradients, normaliser)."""
@@ -757,16 +768,17 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
     init, chunk, iters_per_chunk = make_train(cfg, env)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
     mesh = Mesh(np.array(jax.devices()), ("envs",))
-    shardings = state_shardings(jax.eval_shape(jax.vmap(init), keys), mesh)
+    shardings = state_shardings(jax.eval_shape(over_seeds(init), keys), mesh)
     if cfg.resume:
-        ts = restore_state(resume_path, meta, payload, jax.eval_shape(jax.vmap(init), keys), shardings)
+        ts = restore_state(resume_path, meta, payload, jax.eval_shape(over_seeds(init), keys), shardings)
         rows, first_chunk, wall = meta["rows"], meta["chunks_done"], meta["wall_s"]
         log(f"[{name} {cfg.env}] resuming {resume_path} after {meta['env_steps']:,} env steps")
     else:
-        ts = jax.jit(jax.vmap(init), out_shardings=shardings)(keys)
+        ts = jax.jit(over_seeds(init), out_shardings=shardings)(keys)
         rows, first_chunk, wall = [], 0, 0.0
     start = time.perf_counter()
-    compiled = jax.jit(jax.vmap(chunk), in_shardings=(shardings,), out_shardings=(shardings, NamedSharding(mesh, P())),
+    compiled = jax.jit(over_seeds(chunk), in_shardings=(shardings,),
+                       out_shardings=(shardings, NamedSharding(mesh, P())),
                        donate_argnums=0).lower(ts).compile()
     compile_s = time.perf_counter() - start
     devices = f"{jax.device_count()} device" + "s" * (jax.device_count() > 1)
@@ -844,7 +856,7 @@ def evaluate_checkpoint(cfg: Config, log: Callable[[str], None] = print) -> list
         check_video_support(env)
     init, _, _ = make_train(cfg, env)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
-    ts = restore_state(cfg.checkpoint, meta, payload, jax.eval_shape(jax.vmap(init), keys))
+    ts = restore_state(cfg.checkpoint, meta, payload, jax.eval_shape(over_seeds(init), keys))
     policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
     evaluate = jax.jit(lambda params, norm, key: run_episodes(
         env, eval_policy(cfg, policy, params, norm), key, cfg.eval_episodes, cfg.episode_length))

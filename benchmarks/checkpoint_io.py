@@ -29,8 +29,8 @@ def measure(module, env_name: str, preset: str, repeats: int) -> dict:
     init, _, _ = module.make_train(cfg, env)
     keys = jax.random.PRNGKey(0)[None]
     mesh = module.Mesh(np.array(jax.devices()), ("envs",))
-    shardings = module.state_shardings(jax.eval_shape(jax.vmap(init), keys), mesh)
-    ts = jax.block_until_ready(jax.jit(jax.vmap(init), out_shardings=shardings)(keys))
+    shardings = module.state_shardings(jax.eval_shape(module.over_seeds(init), keys), mesh)
+    ts = jax.block_until_ready(jax.jit(module.over_seeds(init), out_shardings=shardings)(keys))
     leaves = jax.tree.leaves(ts)
     parts = {"env states + reset pool": jax.tree.leaves((ts.env_state, ts.reset_pool))}
     writes, reads = [], []

@@ -11,8 +11,8 @@ A block is --iterations PPO iterations of num_envs * rollout_steps environment s
 then num_epochs x num_minibatches gradient steps. Evaluation is not timed on either side.
 
 How each trainer is timed:
-* ppo_jax: `chunk` is AOT-compiled (`jax.jit(jax.vmap(chunk)).lower(ts).compile()`), with its evaluation
-  outputs dropped so XLA removes the evaluation episodes from the program; a block is one call.
+* ppo_jax: `chunk` is AOT-compiled as in training (`jax.jit(over_seeds(chunk)).lower(ts).compile()`), with its
+  evaluation outputs dropped so XLA removes the evaluation episodes from the program; a block is one call.
 * brax_ppo: `brax.training.agents.ppo.train` compiles inside and runs one training epoch between two
   `progress_fn` calls (run_evals=False). It runs in a worker thread whose `progress_fn` waits for the
   next round, so the Brax program is compiled once and its epochs interleave with the other runners.
@@ -145,13 +145,13 @@ def jitted_runner(module, cfg, bench: Bench) -> Runner:
     start = time.perf_counter()
     init, chunk, iters_per_chunk = module.make_train(cfg, env)
     assert iters_per_chunk == bench.iterations, (iters_per_chunk, bench.iterations)
-    ts = jax.block_until_ready(jax.jit(jax.vmap(init))(jax.random.PRNGKey(0)[None]))
+    ts = jax.block_until_ready(jax.jit(module.over_seeds(init))(jax.random.PRNGKey(0)[None]))
 
     def train_chunk(ts):
         ts, metrics = chunk(ts)
         return ts, {k: v for k, v in metrics.items() if not k.startswith("eval_")}  # unused -> removed
 
-    compiled = jax.jit(jax.vmap(train_chunk), donate_argnums=0).lower(ts).compile()
+    compiled = jax.jit(module.over_seeds(train_chunk), donate_argnums=0).lower(ts).compile()
     compile_s = time.perf_counter() - start
     state = {"ts": ts}
 

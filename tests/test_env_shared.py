@@ -66,3 +66,22 @@ def test_desynchronized_clocks_spread_over_the_time_limit_and_hide_cut_episodes(
     t = np.asarray(state.t)
     assert t.min() >= 0 and t.max() < 1000 and len(np.unique(t)) > 200
     assert np.all(np.isnan(np.asarray(state.ret)[t > 0]))  # a cut episode's return is never reported
+
+
+@ALGOS
+def test_over_seeds_maps_the_seed_axis_with_or_without_vmap(algo):
+    """One seed: a plain call on the squeezed arguments; several: vmap. Same results, seed axis kept."""
+    vmapped = []
+
+    def fn(state, key):
+        assert state["x"].shape == (4,)  # one seed's state either way
+        vmapped.append(isinstance(state["x"], jax.core.Tracer))
+        return {"x": state["x"] * 2 + jax.random.normal(key, state["x"].shape)}, state["x"].sum()
+
+    for num_seeds in (1, 3):
+        state = {"x": jnp.arange(num_seeds * 4.0).reshape(num_seeds, 4)}
+        keys = jax.random.split(jax.random.PRNGKey(0), num_seeds)
+        got, want = algo.over_seeds(fn)(state, keys), jax.vmap(fn)(state, keys)
+        assert jax.tree.map(jnp.shape, got) == jax.tree.map(jnp.shape, want)
+        jax.tree.map(np.testing.assert_allclose, got, want)
+    assert vmapped == [False, True, True, True]  # over_seeds(1 seed), vmap(1), over_seeds(3 seeds), vmap(3)
