@@ -233,10 +233,11 @@ def test_preset_and_flag_override():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_cpu_preset_learns_cartpole_balance(tmp_path, monkeypatch):
-    """Seed 0 of the cpu preset reaches ~970 after ~150k steps; the budget is twice that."""
+    """Seeds 0-3 of the cpu preset first pass 975 after 205k-410k steps (measured 2026-12-03 with this
+    chunking; seed 0: 975 at 358k); the budget is 600k."""
     monkeypatch.chdir(tmp_path)  # MuJoCo writes MUJOCO_LOG.TXT into the working directory
     cfg = dataclasses.replace(ppo_jax.parse_config(["--env", "CartpoleBalance", "--preset", "cpu"]),
-                              total_steps=300_000, num_evals=6, num_eval_envs=32, out_dir=str(tmp_path / "run"))
+                              total_steps=600_000, num_evals=12, num_eval_envs=32, out_dir=str(tmp_path / "run"))
     rows = ppo_jax.train(cfg, log=lambda line: None)
     eval_returns = [row["eval_return"] for row in rows]
     assert max(eval_returns) >= 900, eval_returns  # zero action: ~697
