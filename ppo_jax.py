@@ -697,8 +697,8 @@ def host_copy(tree):
 # ---------------------------------------------------------------------------------------------
 def over_seeds(fn: Callable) -> Callable:
     """fn mapped over the leading seed axis of its arguments and results. A single seed is a plain call on
-    the squeezed arguments: a vmap over a size-1 seed axis made MJX steps 1.9x slower on CPU (CheetahRun,
-    128 envs: 30.5k vs 57k steps/s), while 3 seeds x 128 envs under vmap ran as fast as 384 envs unmapped."""
+    the squeezed arguments: a vmap over a size-1 seed axis made MJX steps about 2x slower on CPU, while
+    several seeds under vmap showed no consistent cost (benchmarks/seed_axis.py)."""
     def mapped(*args):
         if jax.tree.leaves(args)[0].shape[0] > 1:
             return jax.vmap(fn)(*args)
@@ -768,9 +768,10 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
     init, chunk, iters_per_chunk = make_train(cfg, env)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
     mesh = Mesh(np.array(jax.devices()), ("envs",))
-    shardings = state_shardings(jax.eval_shape(over_seeds(init), keys), mesh)
+    abstract_state = jax.eval_shape(over_seeds(init), keys)
+    shardings = state_shardings(abstract_state, mesh)
     if cfg.resume:
-        ts = restore_state(resume_path, meta, payload, jax.eval_shape(over_seeds(init), keys), shardings)
+        ts = restore_state(resume_path, meta, payload, abstract_state, shardings)
         rows, first_chunk, wall = meta["rows"], meta["chunks_done"], meta["wall_s"]
         log(f"[{name} {cfg.env}] resuming {resume_path} after {meta['env_steps']:,} env steps")
     else:
