@@ -39,8 +39,11 @@ import io
 import json
 import math
 import os
+import shutil
 import sys
 import time
+import types
+import typing
 import warnings
 from typing import Any, Callable, Literal, NamedTuple
 
@@ -85,13 +88,15 @@ class Config:
     episode_length: int = 1000  # time limit (truncation, bootstrapped)
     num_evals: int = 10  # evaluations (and log lines) over the run
     num_eval_envs: int = 128  # fresh episodes per evaluation (deterministic policy)
-    out_dir: str = "runs/ppo"  # metrics.csv, config.json, curve.png, checkpoint.msgpack go here
+    out_dir: str | None = None  # outputs go here (None: a new runs/<algo>_<env>_<seed>_<date-time>)
+    overwrite: bool = False  # replace a previous run's outputs in --out-dir (else such a directory is refused)
     plot: bool = True  # write <out_dir>/curve.png at the end
     # run management: checkpoints, evaluation of a saved policy, video, devices, logging
-    checkpoint_every: int = 0  # write <out_dir>/checkpoint.msgpack every N log points (0: never)
-    resume: str | None = None  # continue the run whose checkpoint is in this directory (its config + your flags)
+    checkpoint_every: int = 0  # write <out_dir>/checkpoint.msgpack every N log points and at the end (0: never)
+    keep_checkpoints: int = 1  # checkpoints kept: the newest, and older ones as checkpoint_<env steps>.msgpack
+    resume: str | None = None  # continue the run of this directory from its newest checkpoint (its config + your flags)
     eval_only: bool = False  # evaluate --checkpoint for --eval-episodes fresh episodes; no training
-    checkpoint: str | None = None  # checkpoint file read by --eval-only
+    checkpoint: str | None = None  # checkpoint file (or run directory) read by --eval-only
     eval_episodes: int = 100  # fresh episodes of --eval-only
     video: str | None = None  # render one evaluation episode to this .mp4 (after training, or with --eval-only)
     distributed: bool = False  # call jax.distributed.initialize() first (multi-host GPU/TPU slices)
@@ -104,10 +109,9 @@ class Config:
 
 
 # Fields that say how a run is managed, not what it computes: a checkpoint may be resumed with other values.
-RUN_FIELDS = ("out_dir", "plot", "checkpoint_every", "resume", "eval_only", "checkpoint", "eval_episodes",
-              "video", "distributed", "coordinator_address", "num_processes", "process_id", "tensorboard", "wandb",
-              "wandb_project")
-
+RUN_FIELDS = ("out_dir", "overwrite", "plot", "checkpoint_every", "keep_checkpoints", "resume", "eval_only",
+              "checkpoint", "eval_episodes", "video", "distributed", "coordinator_address", "num_processes",
+              "process_id", "tensorboard", "wandb", "wandb_project")
 
 
 def preset_config(preset: str, env: str) -> Config:
@@ -134,9 +138,10 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
          f"--num-envs {cfg.num_envs} is not divisible across the {num_devices} devices"),
         (cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}"),
         (not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH"),
+        (cfg.eval_only or not cfg.checkpoint, "--checkpoint is read by --eval-only only (to continue a run: --resume DIR)"),
+        (cfg.keep_checkpoints > 0, f"--keep-checkpoints must be positive, got {cfg.keep_checkpoints}"),
         (cfg.eval_episodes > 0, f"--eval-episodes must be positive, got {cfg.eval_episodes}"),
         (cfg.video is None or cfg.video.endswith(".mp4"), f"--video must name an .mp4 file, got {cfg.video!r}"),
-
         (cfg.total_steps > 0, f"--total-steps must be positive, got {cfg.total_steps}"),
         (cfg.num_envs > 0 and cfg.rollout_steps > 0, "--num-envs and --rollout-steps must be positive"),
         (cfg.num_seeds > 0, f"--num-seeds must be positive, got {cfg.num_seeds}"),
@@ -145,6 +150,8 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
          f"batch num_envs*rollout_steps = {cfg.num_envs * cfg.rollout_steps} is not divisible into "
          f"--num-minibatches {cfg.num_minibatches}"),
         (cfg.num_evals > 0 and cfg.num_eval_envs > 0, "--num-evals and --num-eval-envs must be positive"),
+        (len(cfg.policy_hidden) > 0 and min(cfg.policy_hidden) > 0, f"--policy-hidden needs one or more positive widths, got {cfg.policy_hidden}"),
+        (len(cfg.value_hidden) > 0 and min(cfg.value_hidden) > 0, f"--value-hidden needs one or more positive widths, got {cfg.value_hidden}"),
         (cfg.episode_length > 0, f"--episode-length must be positive, got {cfg.episode_length}"),
         (0 < cfg.gamma <= 1 and 0 <= cfg.gae_lambda <= 1, "--gamma must be in (0, 1] and --gae-lambda in [0, 1]"),
         (cfg.learning_rate > 0, f"--learning-rate must be positive, got {cfg.learning_rate}"),
@@ -419,6 +426,11 @@ class TrainState(NamedTuple):
     iteration: jax.Array
 
 
+def chunk_iterations(cfg: Config) -> int:
+    """Iterations per chunk (one chunk per log point): total_steps is rounded up to whole chunks."""
+    return math.ceil(math.ceil(cfg.total_steps / (cfg.num_envs * cfg.rollout_steps)) / cfg.num_evals)
+
+
 def make_train(cfg: Config, env: Env):
     """Returns pure functions init(key) -> TrainState, chunk(TrainState) -> (TrainState, metrics)."""
     policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
@@ -426,7 +438,7 @@ def make_train(cfg: Config, env: Env):
     clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
     optimizer = optax.chain(*clip, optax.adam(cfg.learning_rate))
     batch_size = cfg.num_envs * cfg.rollout_steps
-    iters_per_chunk = math.ceil(math.ceil(cfg.total_steps / batch_size) / cfg.num_evals)
+    iters_per_chunk = chunk_iterations(cfg)
     reset_block = reset_block_size(cfg.num_envs, cfg.episode_length, cfg.rollout_steps)
 
     def init(key):
@@ -507,7 +519,7 @@ def make_train(cfg: Config, env: Env):
         metrics["physics_resets"] = physics_resets
         metrics.update(first_nonfinite(nonfinite, first_iteration))
         key, k_eval = jax.random.split(ts.key)
-        act = eval_policy(cfg, policy, ts.params, ts.norm)
+        act = eval_policy(cfg, env, *policy_of(ts))
         metrics["eval_return"], metrics["eval_return_std"] = run_episodes(env, act, k_eval, cfg.num_eval_envs,
                                                                           cfg.episode_length)
         return ts._replace(key=key), metrics
@@ -530,9 +542,10 @@ def first_nonfinite(nonfinite: jax.Array, first_iteration) -> dict:
             "nonfinite_check": jnp.argmax(nonfinite[i])}
 
 
-def eval_policy(cfg: Config, policy: Policy, params, norm: Normalizer) -> Callable:
-    """The deterministic evaluation policy obs -> a = tanh(mu(s))."""
-    return lambda obs: jnp.tanh(policy.apply(params["policy"], normalize(norm, obs, cfg.normalize_obs))[0])
+def eval_policy(cfg: Config, env: Env, params, norm: Normalizer) -> Callable:
+    """The deterministic evaluation policy (obs, key) -> a = tanh(mu(s)); the key is not used."""
+    policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
+    return lambda obs, key: jnp.tanh(policy.apply(params["policy"], normalize(norm, obs, cfg.normalize_obs))[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,31 +553,55 @@ def eval_policy(cfg: Config, policy: Policy, params, norm: Normalizer) -> Callab
 # ---------------------------------------------------------------------------------------------
 def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_length: int):
     """Mean and std of the returns of fresh episodes (a physics blow-up ends an episode, its reward dropped)."""
-    sim = jax.vmap(env.reset)(jax.random.split(key, num_episodes))
+    k_reset, k_act = jax.random.split(key)
+    sim = jax.vmap(env.reset)(jax.random.split(k_reset, num_episodes))
 
-    def step(carry, _):
+    def step(carry, k):
         sim, alive, ret = carry
-        sim = jax.vmap(env.step)(sim, actor(observation(sim)))
+        sim = jax.vmap(env.step)(sim, actor(observation(sim), k))
         alive = alive * jnp.isfinite(observation(sim)).all(-1) * jnp.isfinite(sim.reward)
         ret = ret + jnp.where(alive > 0, sim.reward, 0.0)
         return (sim, alive * (1.0 - (sim.done > 0)), ret), None
 
-    (_, _, ret), _ = jax.lax.scan(step, (sim, jnp.ones(num_episodes), jnp.zeros(num_episodes)), None,
-                                  length=episode_length)
+    (_, _, ret), _ = jax.lax.scan(step, (sim, jnp.ones(num_episodes), jnp.zeros(num_episodes)),
+                                  jax.random.split(k_act, episode_length))
     return ret.mean(), ret.std()
 
 
+# ---------------------------------------------------------------------------------------------
+# What the run-management part below needs to know of this algorithm.
+# ---------------------------------------------------------------------------------------------
+ALGO = "ppo_jax"  # names its checkpoints (magic line) and messages
+IDENTITY_FIELDS = ("env",)  # --eval-only refuses a checkpoint whose values of these differ
+PROGRESS_METRICS = ()  # shown in each progress line besides the returns
+
+
+def run_name(cfg: Config) -> str:
+    return "ppo"
+
+
+def policy_of(ts: TrainState) -> tuple:
+    """What the evaluation policy needs of a train state: (parameters, observation normaliser)."""
+    return ts.params, ts.norm
+
+
+# =============================================================================================
+# Run management: video, checkpoints, devices, logging, the host loop and the command line.
+# Everything from here to the end is the same text in ppo_jax.py and trudi_jax.py (a test checks it);
+# what differs between the algorithms is named above (ALGO, run_name, policy_of, eval_policy, ...).
+# =============================================================================================
 def record_episode(env: Env, act: Callable, key, episode_length: int) -> list:
     """One evaluation episode of one environment: its simulator states until it ends, on the host."""
     @jax.jit
     def rollout(key):
-        sim = jax.vmap(env.reset)(key[None])
+        k_reset, k_act = jax.random.split(key)
+        sim = jax.vmap(env.reset)(k_reset[None])
 
-        def step(sim, _):
-            sim = jax.vmap(env.step)(sim, act(observation(sim)))
+        def step(sim, k):
+            sim = jax.vmap(env.step)(sim, act(observation(sim), k))
             return sim, sim
 
-        return sim, jax.lax.scan(step, sim, None, length=episode_length)[1]
+        return sim, jax.lax.scan(step, sim, jax.random.split(k_act, episode_length))[1]
 
     first, sims = jax.device_get(rollout(key))
     states = [jax.tree.map(lambda x: x[0], first)]
@@ -581,6 +618,7 @@ def write_video(env: Env, states: list, path: str, height: int = 240, width: int
     import imageio_ffmpeg
     with contextlib.redirect_stderr(io.StringIO()):  # Playground's renderer draws a progress bar
         frames = env.render(states, height, width)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path[:-len(".mp4")] + ".tmp.mp4"
     writer = imageio_ffmpeg.write_frames(tmp, (width, height), fps=round(1 / env.dt), macro_block_size=8)
     with warnings.catch_warnings():  # JAX warns on any fork; this one execs ffmpeg at once
@@ -605,14 +643,19 @@ def check_video_support(env: Env) -> None:
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: the whole train state as data (msgpack of its arrays), checksummed, written atomically.
 # ---------------------------------------------------------------------------------------------
-CHECKPOINT_MAGIC = b"ppo_jax checkpoint v1\n"
+CHECKPOINT_FORMAT = 1
+CHECKPOINT_MAGIC = f"{ALGO} checkpoint v{CHECKPOINT_FORMAT}\n".encode()
+CHECKPOINT = "checkpoint.msgpack"  # the newest checkpoint of a run directory; older kept ones: checkpoint_<steps>
+HEADER_FIELDS = {"config": dict, "chunks_done": int, "env_steps": int, "wall_s": (int, float), "rows": list,
+                 "leaves": list}
 
 
 def save_checkpoint(path: str, state, meta: dict) -> int:
     """Write the leaves of a train-state pytree (host arrays) and a JSON header; returns the size in bytes.
 
-    Layout: magic line, JSON header line (config, counters, shapes), sha256 line, msgpack of the leaves.
-    A temporary file is renamed over the old checkpoint, so a crash mid-write leaves the previous one."""
+    Layout: magic line (with the format version), JSON header line (config, counters, shapes), sha256 line of
+    header + payload, msgpack of the leaves. A temporary file is renamed over the old checkpoint, so a crash
+    mid-write leaves the previous one."""
     from flax import serialization
     leaves = [np.asarray(x) for x in jax.tree.leaves(state)]
     payload = serialization.msgpack_serialize({str(i): x for i, x in enumerate(leaves)})
@@ -628,38 +671,54 @@ def save_checkpoint(path: str, state, meta: dict) -> int:
     return len(CHECKPOINT_MAGIC) + len(header) + len(digest) + len(payload)
 
 
-def read_checkpoint(path: str, verify: bool = True) -> tuple[dict, bytes]:
-    """Header and payload of a checkpoint; anything else (missing, foreign, truncated, modified) is refused."""
+def read_checkpoint(path: str) -> tuple[dict, bytes]:
+    """Header and payload of a checkpoint. The format version and the checksum are verified before any header
+    field is read; anything else (missing, foreign, other version, truncated, modified, malformed) is refused."""
     try:
         with open(path, "rb") as f:
-            magic, header, digest = f.readline(), f.readline(), f.readline()
-            payload = f.read() if verify else b""
+            magic, header, digest, payload = f.readline(), f.readline(), f.readline(), f.read()
     except OSError as e:
-        raise SystemExit(f"error: cannot read checkpoint {path}: {e.strerror}") from None
+        raise SystemExit(f"error: cannot read checkpoint {path}: {e.strerror or e}") from None
     if magic != CHECKPOINT_MAGIC:
-        raise SystemExit(f"error: {path} is not a ppo_jax checkpoint")
+        version = magic.startswith(CHECKPOINT_MAGIC.rsplit(b"v", 1)[0])
+        raise SystemExit(f"error: {path} is a {ALGO} checkpoint of another format version "
+                         f"({magic.strip()[:60].decode(errors='replace')!r}; this file reads v{CHECKPOINT_FORMAT})"
+                         if version else f"error: {path} is not a {ALGO} checkpoint")
+    if hashlib.sha256(header + payload).hexdigest().encode() + b"\n" != digest:
+        raise SystemExit(f"error: corrupt checkpoint {path} (checksum mismatch: truncated or modified)")
     try:
         meta = json.loads(header)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise SystemExit(f"error: corrupt checkpoint {path} (unreadable header)") from None
-    if verify and hashlib.sha256(header + payload).hexdigest().encode() + b"\n" != digest:
-        raise SystemExit(f"error: corrupt checkpoint {path} (checksum mismatch: truncated or modified)")
+    meta = meta if isinstance(meta, dict) else {}
+    malformed = [k for k, kind in HEADER_FIELDS.items()
+                 if not isinstance(meta.get(k), kind) or isinstance(meta.get(k), bool)]
+    if not malformed and not all(isinstance(row, dict) for row in meta["rows"]):
+        malformed = ["rows"]
+    if malformed:
+        raise SystemExit(f"error: corrupt checkpoint {path} (header lacks or mistypes: {', '.join(malformed)})")
     return meta, payload
 
 
 def restore_state(path: str, meta: dict, payload: bytes, template, shardings=None):
-    """The checkpoint's arrays in the template's pytree (same shapes and dtypes), placed with `shardings`."""
+    """The checkpoint's arrays in the template's pytree, each checked to have the template's shape and dtype,
+    placed with `shardings` (any device count: the file holds whole arrays)."""
     from flax import serialization
     leaves, treedef = jax.tree.flatten(template)
     expected = [[list(x.shape), np.dtype(x.dtype).name] for x in leaves]
-    if meta.get("leaves") != expected:
+    if meta["leaves"] != expected:
         raise SystemExit(f"error: checkpoint {path} does not fit this configuration's train state "
-                         f"({len(meta.get('leaves', []))} arrays saved, {len(expected)} expected, or other shapes)")
+                         f"({len(meta['leaves'])} arrays saved, {len(expected)} expected, or other shapes)")
     try:
         data = serialization.msgpack_restore(payload)
         arrays = [np.asarray(data[str(i)]) for i in range(len(leaves))]
     except Exception:
         raise SystemExit(f"error: corrupt checkpoint {path} (unreadable arrays)") from None
+    wrong = [i for i, (a, (shape, dtype)) in enumerate(zip(arrays, expected))
+             if list(a.shape) != shape or a.dtype.name != dtype]
+    if wrong or len(data) != len(leaves):
+        raise SystemExit(f"error: corrupt checkpoint {path} (array {wrong[0] if wrong else len(leaves)} has another "
+                         f"shape or dtype than its header says)")
     if shardings is None:
         return jax.tree.unflatten(treedef, [jnp.asarray(a) for a in arrays])
     placed = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
@@ -667,13 +726,59 @@ def restore_state(path: str, meta: dict, payload: bytes, template, shardings=Non
     return jax.tree.unflatten(treedef, placed)
 
 
+def checkpoint_file(path: str) -> str:
+    """A checkpoint file, or the newest checkpoint of a run directory."""
+    return os.path.join(path, CHECKPOINT) if os.path.isdir(path) else path
+
+
+def keep_previous_checkpoint(out_dir: str, previous_steps: int | None, keep: int) -> None:
+    """Before a new checkpoint replaces the newest one: keep that one as checkpoint_<env steps>.msgpack (a hard
+    link, no copy) and delete the oldest kept ones, so that `keep` checkpoints remain in all."""
+    newest = os.path.join(out_dir, CHECKPOINT)
+    if keep > 1 and previous_steps is not None and os.path.exists(newest):
+        kept = os.path.join(out_dir, f"checkpoint_{previous_steps:012d}.msgpack")
+        with contextlib.suppress(FileExistsError):
+            try:
+                os.link(newest, kept)
+            except OSError:  # a file system without hard links
+                shutil.copyfile(newest, kept)
+    older = sorted(f for f in os.listdir(out_dir) if f.startswith("checkpoint_") and f.endswith(".msgpack"))
+    for name in older[:max(0, len(older) - (keep - 1))]:
+        os.remove(os.path.join(out_dir, name))
+
+
 def config_dict(cfg: Config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def config_from_dict(saved: dict) -> Config:
-    return Config(**{f.name: tuple(saved[f.name]) if isinstance(saved[f.name], list) else saved[f.name]
-                     for f in dataclasses.fields(Config) if f.name in saved})
+def fits_type(value, hint) -> bool:
+    """Whether a JSON value fits a Config field's type (bool, int, float, str, Literal, tuple[int, ...], X | None)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(fits_type(value, a) for a in args)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(fits_type(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+
+
+def config_from_dict(saved: dict, source: str = "config") -> Config:
+    """The Config of a saved JSON dict (a checkpoint's header); unknown, missing or ill-typed fields are refused.
+    Missing run-management fields take their defaults."""
+    hints = typing.get_type_hints(Config)
+    unknown = sorted(set(saved) - set(hints))
+    missing = [k for k in hints if k not in saved and k not in RUN_FIELDS]
+    mistyped = [k for k in hints if k in saved and not fits_type(saved[k], hints[k])]
+    if unknown or missing or mistyped:
+        problems = [f"{what} {', '.join(keys)}" for what, keys in
+                    (("unknown fields", unknown), ("missing fields", missing), ("ill-typed fields", mistyped)) if keys]
+        raise SystemExit(f"error: {source} holds no valid configuration ({'; '.join(problems)})")
+    return Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
 
 
 def check_same_run(path: str, saved: dict, cfg: Config) -> None:
@@ -715,8 +820,9 @@ def state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
                               reset_pool=jax.tree.map(lambda _: split, abstract_state.reset_pool))
 
 
-def open_sinks(cfg: Config, name: str) -> list[tuple[Callable, Callable]]:
-    """(log(row, step), close()) for --tensorboard / --wandb; a missing package fails before compiling."""
+def open_sinks(cfg: Config, name: str, wandb_id: str | None = None) -> tuple[list, str | None]:
+    """([(log(row, step), close())], W&B run id) for --tensorboard / --wandb; a missing package fails before
+    compiling. A resumed run continues the W&B run whose id its checkpoint holds."""
     sinks = []
     if cfg.tensorboard:
         try:
@@ -736,59 +842,123 @@ def open_sinks(cfg: Config, name: str) -> list[tuple[Callable, Callable]]:
         except ImportError:
             raise SystemExit("error: --wandb needs the wandb package (pip install wandb)") from None
         run = wandb.init(project=cfg.wandb_project, name=f"{name}-{cfg.env}-{cfg.seed}", dir=cfg.out_dir,
-                         config=config_dict(cfg))
+                         config=config_dict(cfg), id=wandb_id, resume="allow" if wandb_id else None)
         sinks.append((lambda row, step: run.log(row, step=step), run.finish))
-    return sinks
+        wandb_id = run.id
+    return sinks, wandb_id
 
 
 # ---------------------------------------------------------------------------------------------
 # Host loop: compile once, run chunks, log progress, write metrics.csv / config.json / curve.png,
 # checkpoints; stop on non-finite numbers. Evaluation of a saved policy.
 # ---------------------------------------------------------------------------------------------
-def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
+RUN_OUTPUTS = ("metrics.csv", "config.json", "curve.png", CHECKPOINT, "tensorboard")
+
+
+def log_line(line: str) -> None:
+    """Progress goes to stdout, flushed at once (under nohup or a batch system stdout is a file)."""
+    print(line, flush=True)
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Refuse a path that cannot be created: its nearest existing ancestor is not a writable directory."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise SystemExit(f"error: {flag} {path}: cannot be created ({parent} is not a writable directory)")
+
+
+def run_directory(cfg: Config, name: str) -> str:
+    """--out-dir exactly as given, else a new runs/<algo>_<env>_<seed>_<date-time>. A directory holding another
+    run's outputs is refused unless --overwrite, or --resume continues that very run."""
+    if cfg.out_dir is None:
+        base = os.path.join("runs", f"{name}_{cfg.env}_{cfg.seed}_{time.strftime('%Y%m%d-%H%M%S')}")
+        out_dir, n = base, 1
+        while os.path.exists(out_dir):
+            n += 1
+            out_dir = f"{base}-{n}"
+        return out_dir
+    check_writable(cfg.out_dir, "--out-dir")
+    if os.path.isdir(cfg.out_dir) and not cfg.overwrite and not (
+            cfg.resume and os.path.samefile(cfg.resume, cfg.out_dir)):
+        held = sorted(f for f in os.listdir(cfg.out_dir) if f in RUN_OUTPUTS or f.startswith("checkpoint_"))
+        if held:
+            raise SystemExit(f"error: --out-dir {cfg.out_dir} already holds a run ({', '.join(held)}); pass "
+                             f"--overwrite to replace it, --resume {cfg.out_dir} to continue it, or another --out-dir")
+    return cfg.out_dir
+
+
+def clear_outputs(out_dir: str) -> None:
+    """--overwrite: remove the previous run's outputs (and nothing else) from its directory."""
+    for f in os.listdir(out_dir):
+        path = os.path.join(out_dir, f)
+        if f in RUN_OUTPUTS or (f.startswith("checkpoint_") and f.endswith(".msgpack")):
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def train(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
     """Train cfg.num_seeds seeds (or continue --resume); returns one metrics row per (log point, seed)."""
+    validate(cfg)
+    name = run_name(cfg)
+    if cfg.resume:  # read and check before anything else (no connection opened, nothing written)
+        resume_path = checkpoint_file(cfg.resume)
+        meta, payload = read_checkpoint(resume_path)
+        check_same_run(resume_path, meta["config"], cfg)
+    out_dir = run_directory(cfg, name)
+    cfg = dataclasses.replace(cfg, out_dir=out_dir)
+    if cfg.video:
+        check_writable(cfg.video, "--video")
     if cfg.distributed:
         jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     validate(cfg, jax.device_count())
-    name = "ppo"
     lead = jax.process_index() == 0  # the host that writes files and logs
     log = log if lead else (lambda line: None)
-    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.msgpack")
-    if cfg.resume:  # read and check before compiling
-        resume_path = os.path.join(cfg.resume, "checkpoint.msgpack")
-        meta, payload = read_checkpoint(resume_path)
-        check_same_run(resume_path, meta["config"], cfg)
+    iters_per_chunk = chunk_iterations(cfg)
+    steps_per_chunk = iters_per_chunk * cfg.num_envs * cfg.rollout_steps
+    log(f"[{name} {cfg.env}] running {cfg.num_evals * steps_per_chunk:,} env steps per seed ({cfg.num_evals} log "
+        f"points x {iters_per_chunk} iterations x {cfg.num_envs} envs x {cfg.rollout_steps} steps; asked for "
+        f"{cfg.total_steps:,}), {cfg.num_seeds} seed{'s' * (cfg.num_seeds > 1)}; writing to {cfg.out_dir}")
+    ckpt_path, last_good = os.path.join(cfg.out_dir, CHECKPOINT), None
     if cfg.video:  # headless rendering; must be chosen before MuJoCo is first imported
         os.environ.setdefault("MUJOCO_GL", "egl")
+    start = time.perf_counter()
+    log(f"[{name} {cfg.env}] loading the task")
     env = make_env(cfg.env, cfg.backend)
+    log(f"[{name} {cfg.env}] task loaded in {time.perf_counter() - start:.1f} s ({env.obs_size} observations, "
+        f"{env.action_size} actions)")
     if cfg.video:
         check_video_support(env)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    sinks = open_sinks(cfg, name) if lead else []
-    init, chunk, iters_per_chunk = make_train(cfg, env)
+    if lead:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        if cfg.overwrite and not cfg.resume:
+            clear_outputs(cfg.out_dir)
+    sinks, wandb_id = open_sinks(cfg, name, meta.get("wandb_id") if cfg.resume else None) if lead else ([], None)
+    init, chunk, _ = make_train(cfg, env)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
     mesh = Mesh(np.array(jax.devices()), ("envs",))
     abstract_state = jax.eval_shape(over_seeds(init), keys)
     shardings = state_shardings(abstract_state, mesh)
     if cfg.resume:
         ts = restore_state(resume_path, meta, payload, abstract_state, shardings)
-        rows, first_chunk, wall = meta["rows"], meta["chunks_done"], meta["wall_s"]
+        rows, first_chunk, wall, saved_steps = meta["rows"], meta["chunks_done"], meta["wall_s"], meta["env_steps"]
+        last_good = resume_path
         log(f"[{name} {cfg.env}] resuming {resume_path} after {meta['env_steps']:,} env steps")
     else:
         ts = jax.jit(over_seeds(init), out_shardings=shardings)(keys)
-        rows, first_chunk, wall = [], 0, 0.0
+        rows, first_chunk, wall, saved_steps = [], 0, 0.0, None
+    devices = f"{jax.device_count()} device" + "s" * (jax.device_count() > 1)
+    log(f"[{name} {cfg.env}] compiling the training program ({devices})")
     start = time.perf_counter()
     compiled = jax.jit(over_seeds(chunk), in_shardings=(shardings,),
                        out_shardings=(shardings, NamedSharding(mesh, P())),
                        donate_argnums=0).lower(ts).compile()
     compile_s = time.perf_counter() - start
-    devices = f"{jax.device_count()} device" + "s" * (jax.device_count() > 1)
-    log(f"[{name} {cfg.env}] compiled the training program in {compile_s:.1f} s ({devices})")
+    log(f"[{name} {cfg.env}] compiled in {compile_s:.1f} s; first progress line after {steps_per_chunk:,} env steps")
     if lead:
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config_dict(cfg) | {"compile_s": compile_s, "jax": jax.__version__,
                                           "devices": [str(d) for d in jax.devices()]}, f, indent=2)
-    steps_per_chunk = iters_per_chunk * cfg.num_envs * cfg.rollout_steps
     for i in range(first_chunk, cfg.num_evals):
         start = time.perf_counter()
         ts, metrics = compiled(ts)
@@ -796,7 +966,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
         dt = time.perf_counter() - start
         wall += dt
         env_steps = (i + 1) * steps_per_chunk
-        stop_if_nonfinite(metrics, ckpt_path if cfg.checkpoint_every and os.path.exists(ckpt_path) else None)
+        stop_if_nonfinite(metrics, last_good)
         sps = steps_per_chunk * cfg.num_seeds / dt
         for s in range(cfg.num_seeds):
             row = {"env_steps": env_steps, "seed": cfg.seed if cfg.num_seeds == 1 else s, "wall_s": round(wall, 3),
@@ -810,24 +980,28 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
         if cfg.checkpoint_every and ((i + 1) % cfg.checkpoint_every == 0 or i + 1 == cfg.num_evals):
             start, state = time.perf_counter(), host_copy(ts)
             if lead:
+                keep_previous_checkpoint(cfg.out_dir, saved_steps, cfg.keep_checkpoints)
                 size = save_checkpoint(ckpt_path, state, {"config": config_dict(cfg), "chunks_done": i + 1,
-                                                          "env_steps": env_steps, "wall_s": wall, "rows": rows})
+                                                          "env_steps": env_steps, "wall_s": wall, "rows": rows,
+                                                          "wandb_id": wandb_id})
                 log(f"[{name} {cfg.env}] checkpoint {ckpt_path}: {size / 2**20:.1f} MiB in "
                     f"{time.perf_counter() - start:.2f} s")
+            saved_steps, last_good = env_steps, ckpt_path
         eta = (cfg.num_evals - i - 1) * wall / (i + 1)
         num_resets = int(np.sum(metrics["physics_resets"]))
         resets = f" | physics resets {num_resets}" if num_resets else ""
+        extra = "".join(f" | {k} {np.mean(metrics[k]):.3g}" for k in PROGRESS_METRICS)
         log(f"[{name} {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
-            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.mean(metrics['train_return']):.1f}{resets} | "
-            f"ETA {eta:.0f} s")
+            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.mean(metrics['train_return']):.1f}{extra}"
+            f"{resets} | ETA {eta:.0f} s")
     for _, close in sinks:
         close()
     if lead and cfg.plot:
         plot_curve(rows, os.path.join(cfg.out_dir, "curve.png"), f"{name.upper()} on {cfg.env}")
     if lead and cfg.video:
-        seed0 = jax.tree.map(lambda x: np.asarray(x)[0], host_copy((ts.params, ts.norm)))
-        policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
-        states = record_episode(env, eval_policy(cfg, policy, *seed0), jax.random.PRNGKey(cfg.seed), cfg.episode_length)
+        params, norm = jax.tree.map(lambda x: np.asarray(x)[0], host_copy(policy_of(ts)))
+        states = record_episode(env, eval_policy(cfg, env, params, norm), jax.random.PRNGKey(cfg.seed),
+                                cfg.episode_length)
         write_video(env, states, cfg.video)
         log(f"[{name} {cfg.env}] video of one evaluation episode ({len(states) - 1} steps): {cfg.video}")
     return rows
@@ -844,32 +1018,35 @@ def stop_if_nonfinite(metrics: dict, last_checkpoint: str | None) -> None:
                          f"(seed index {s}); stopped, {kept}")
 
 
-def evaluate_checkpoint(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
+def evaluate_checkpoint(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
     """--eval-only: mean and std of the evaluation return over --eval-episodes fresh episodes, per saved seed."""
     validate(cfg)
-    meta, payload = read_checkpoint(cfg.checkpoint)
-    if meta["config"].get("env") != cfg.env:
-        raise SystemExit(f"error: checkpoint {cfg.checkpoint} is from {meta['config'].get('env')!r}, not {cfg.env!r}")
+    path = checkpoint_file(cfg.checkpoint)
+    meta, payload = read_checkpoint(path)
+    differs = [f"{k} {meta['config'].get(k)!r}" for k in IDENTITY_FIELDS if meta["config"].get(k) != getattr(cfg, k)]
+    if differs:
+        raise SystemExit(f"error: checkpoint {path} is from {', '.join(differs)}, not "
+                         f"{', '.join(repr(getattr(cfg, k)) for k in IDENTITY_FIELDS)}")
     if cfg.video:  # headless rendering; must be chosen before MuJoCo is first imported
+        check_writable(cfg.video, "--video")
         os.environ.setdefault("MUJOCO_GL", "egl")
     env = make_env(cfg.env, cfg.backend)
     if cfg.video:
         check_video_support(env)
     init, _, _ = make_train(cfg, env)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
-    ts = restore_state(cfg.checkpoint, meta, payload, jax.eval_shape(over_seeds(init), keys))
-    policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
+    ts = restore_state(path, meta, payload, jax.eval_shape(over_seeds(init), keys))
     evaluate = jax.jit(lambda params, norm, key: run_episodes(
-        env, eval_policy(cfg, policy, params, norm), key, cfg.eval_episodes, cfg.episode_length))
+        env, eval_policy(cfg, env, params, norm), key, cfg.eval_episodes, cfg.episode_length))
     results = []
     for s in range(cfg.num_seeds):
-        params, norm = jax.tree.map(lambda x: x[s], (ts.params, ts.norm))
+        params, norm = jax.tree.map(lambda x: x[s], policy_of(ts))
         mean, std = map(float, evaluate(params, norm, jax.random.PRNGKey(cfg.seed)))
         results.append({"seed": s, "env_steps": meta["env_steps"], "eval_return": mean, "eval_return_std": std})
-        log(f"[{cfg.checkpoint} seed index {s}, {meta['env_steps']:,} env steps] eval return {mean:.1f} ± "
+        log(f"[{path} seed index {s}, {meta['env_steps']:,} env steps] eval return {mean:.1f} ± "
             f"{std:.1f} over {cfg.eval_episodes} episodes")
         if cfg.video and s == 0:
-            states = record_episode(env, eval_policy(cfg, policy, params, norm), jax.random.PRNGKey(cfg.seed),
+            states = record_episode(env, eval_policy(cfg, env, params, norm), jax.random.PRNGKey(cfg.seed),
                                     cfg.episode_length)
             write_video(env, states, cfg.video)
             log(f"video of one evaluation episode ({len(states) - 1} steps): {cfg.video}")
@@ -902,7 +1079,9 @@ def plot_curve(rows: list[dict], path: str, title: str) -> None:
 
 
 def parse_config(argv: list[str]) -> Config:
-    """tyro CLI on top of the preset chosen by --preset/--env, so explicit flags override the preset."""
+    """tyro CLI on top of a starting configuration, so explicit flags override it: the preset chosen by
+    --preset/--env, or with --resume DIR / --eval-only --checkpoint PATH the saved run's algorithm settings
+    (from a verified checkpoint; how that run was managed, e.g. --distributed or --video, never carries over)."""
     def peek(flag, default):
         for i, arg in enumerate(argv):
             if arg == flag and i + 1 < len(argv):
@@ -911,19 +1090,21 @@ def parse_config(argv: list[str]) -> Config:
                 return arg.split("=", 1)[1]
         return default
     resume, checkpoint = peek("--resume", None), peek("--checkpoint", None)
-    if resume or (checkpoint and "--eval-only" in argv):  # start from the saved run's configuration
-        path = os.path.join(resume, "checkpoint.msgpack") if resume else checkpoint
-        default = config_from_dict(read_checkpoint(path, verify=False)[0]["config"])
-        if resume:  # continue in that directory, checkpointing and logging as before
+    if resume or (checkpoint and "--eval-only" in argv):
+        path = checkpoint_file(resume or checkpoint)
+        saved = config_from_dict(read_checkpoint(path)[0]["config"], f"checkpoint {path}")
+        default = dataclasses.replace(saved, **{f: getattr(Config(), f) for f in RUN_FIELDS})
+        if resume:  # continue in that directory
             default = dataclasses.replace(default, out_dir=resume)
-        else:  # evaluation only: nothing of how the run was managed carries over
-            default = dataclasses.replace(default, **{f: getattr(Config(), f) for f in RUN_FIELDS})
     else:
         preset, env = peek("--preset", "cpu"), peek("--env", Config.env)
         if preset not in ("cpu", "paper"):
             raise SystemExit(f"error: unknown preset {preset!r}; choose cpu or paper")
         default = preset_config(preset, env)
     return tyro.cli(Config, default=default, args=argv)
+# =============================================================================================
+# End of the run-management part (the same text in both files).
+# =============================================================================================
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Run-management code is duplicated in ppo_jax.py and trudi_jax.py (each file stan
 One short CartpoleBalance run per algorithm (checkpoint every log point) is shared by most tests.
 """
 import csv
+import dataclasses
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -24,6 +27,8 @@ import trudi_jax
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGOS = pytest.mark.parametrize("algo", [ppo_jax, trudi_jax], ids=["ppo", "trudi"])
+# the runs whose resume is checked bit for bit: PPO, TruDi, and REPPO (TruDi's Gaussian actor) with 2 seeds
+RUNS = pytest.mark.parametrize("kind", ["ppo", "trudi", "reppo"])
 TIMING = ("wall_s", "steps_per_sec")  # the only columns allowed to differ between identical runs
 
 
@@ -31,7 +36,7 @@ def tiny(algo, out_dir, **overrides):
     """A CartpoleBalance run of 3 log points x 2 iterations that compiles in well under a minute on CPU."""
     common = dict(env="CartpoleBalance", num_envs=8, rollout_steps=8, num_minibatches=2, num_epochs=1,
                   total_steps=8 * 8 * 2 * 3, num_evals=3, num_eval_envs=2, episode_length=50, out_dir=str(out_dir),
-                  plot=False, checkpoint_every=1)
+                  plot=False, checkpoint_every=1, keep_checkpoints=2)
     if algo is trudi_jax:
         common.update(actor_hidden=(16,), critic_hidden=(16,), num_bins=11, num_diffusion_steps=2)
     else:
@@ -39,17 +44,38 @@ def tiny(algo, out_dir, **overrides):
     return algo.Config(**(common | overrides))
 
 
+KINDS = {"ppo": (ppo_jax, {}), "trudi": (trudi_jax, {}), "reppo": (trudi_jax, dict(actor="gaussian", num_seeds=2))}
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    """The uninterrupted reference run of each algorithm: (config, rows); its checkpoint is in cfg.out_dir."""
+    """The uninterrupted reference run of an algorithm (or a kind of KINDS): (config, rows); its checkpoints
+    (the newest and the one before, keep_checkpoints=2) are in cfg.out_dir."""
     runs = {}
 
-    def get(algo):
-        if algo not in runs:
-            cfg = tiny(algo, tmp_path_factory.mktemp(algo.__name__ + "_full"))
-            runs[algo] = cfg, algo.train(cfg, log=lambda line: None)
-        return runs[algo]
+    def get(kind):
+        kind = kind if isinstance(kind, str) else kind.__name__[:-len("_jax")]
+        if kind not in runs:
+            algo, overrides = KINDS[kind]
+            cfg = tiny(algo, tmp_path_factory.mktemp(kind + "_full"), **overrides)
+            runs[kind] = cfg, algo.train(cfg, log=lambda line: None)
+        return runs[kind]
     return get
+
+
+def resign(algo, path, new_path, edit_meta=None, edit_payload=None, header=None, magic=None):
+    """Copy a checkpoint with its header (or payload) changed and a valid checksum: a crafted file."""
+    with open(path, "rb") as f:
+        old_magic, old_header, _, payload = f.readline(), f.readline(), f.readline(), f.read()
+    if header is None:
+        meta = json.loads(old_header)
+        header = json.dumps(edit_meta(meta) if edit_meta else meta).encode() + b"\n"
+    if edit_payload:
+        payload = edit_payload(payload)
+    digest = hashlib.sha256(header + payload).hexdigest().encode() + b"\n"
+    with open(new_path, "wb") as f:
+        f.write((magic or old_magic) + header + digest + payload)
+    return str(new_path)
 
 
 def strip_timing(rows):
@@ -68,10 +94,16 @@ def assert_rows_equal(a, b):
 # ---------------------------------------------------------------------------------------------
 # Checkpoints and resume
 # ---------------------------------------------------------------------------------------------
-@ALGOS
-def test_resumed_run_reproduces_uninterrupted_run_bit_exactly(algo, full_run, tmp_path):
-    cfg, reference = full_run(algo)
-    interrupted = tiny(algo, tmp_path / "run")
+@RUNS
+def test_resumed_run_reproduces_uninterrupted_run_bit_exactly(kind, full_run, tmp_path, monkeypatch):
+    """Interrupted after its 2nd log point and resumed: the same metric rows and the same final train state, for
+    PPO, TruDi and the Gaussian actor with 2 seeds; the resumed run continues the same W&B run."""
+    algo, overrides = KINDS[kind]
+    cfg, reference = full_run(kind)
+    inits = []
+    fake_run = types.SimpleNamespace(id="run-abc123", log=lambda row, step: None, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw) or fake_run))
+    interrupted = tiny(algo, tmp_path / "run", wandb=True, **overrides)
 
     def ctrl_c_after_second_log_point(line):
         if f"steps {2 * 8 * 8 * 2:,} " in line:
@@ -80,11 +112,12 @@ def test_resumed_run_reproduces_uninterrupted_run_bit_exactly(algo, full_run, tm
     with pytest.raises(KeyboardInterrupt):
         algo.train(interrupted, log=ctrl_c_after_second_log_point)
     meta, _ = algo.read_checkpoint(str(tmp_path / "run" / "checkpoint.msgpack"))
-    assert meta["chunks_done"] == 2
+    assert meta["chunks_done"] == 2 and meta["wandb_id"] == "run-abc123"
 
-    resumed_cfg = algo.parse_config(["--resume", str(tmp_path / "run")])
+    resumed_cfg = algo.parse_config(["--resume", str(tmp_path / "run"), "--checkpoint-every", "1", "--wandb"])
     assert resumed_cfg.out_dir == str(tmp_path / "run") and resumed_cfg.num_envs == 8  # the saved config
     rows = algo.train(resumed_cfg, log=lambda line: None)
+    assert len(rows) == len(reference) == 3 * cfg.num_seeds
     assert_rows_equal(rows, reference)
     with open(tmp_path / "run" / "metrics.csv") as f:
         assert len(list(csv.DictReader(f))) == len(reference)
@@ -92,6 +125,26 @@ def test_resumed_run_reproduces_uninterrupted_run_bit_exactly(algo, full_run, tm
     _, a = algo.read_checkpoint(os.path.join(cfg.out_dir, "checkpoint.msgpack"))
     _, b = algo.read_checkpoint(str(tmp_path / "run" / "checkpoint.msgpack"))
     assert a == b
+    assert inits[0].get("id") is None and inits[1]["id"] == "run-abc123" and inits[1]["resume"] == "allow"
+
+
+def test_gaussian_actor_rows_are_finite_and_per_seed(full_run):
+    cfg, rows = full_run("reppo")
+    assert [(r["env_steps"], r["seed"]) for r in rows] == [(s, i) for s in (128, 256, 384) for i in (0, 1)]
+    for key in ("eval_return", "steps_per_sec", "kl", "entropy", "alpha", "beta", "critic_loss", "q_mean"):
+        assert all(np.isfinite(r[key]) for r in rows), key
+    assert rows[-2]["eval_return"] != rows[-1]["eval_return"]  # two seeds, not one copied
+
+
+@ALGOS
+def test_last_checkpoints_are_kept(algo, full_run):
+    """--keep-checkpoints 2: the newest as checkpoint.msgpack, the one before as checkpoint_<env steps>.msgpack."""
+    cfg, _ = full_run(algo)
+    files = sorted(f for f in os.listdir(cfg.out_dir) if f.endswith(".msgpack"))
+    assert files == ["checkpoint.msgpack", "checkpoint_000000000256.msgpack"]
+    older, _ = algo.read_checkpoint(os.path.join(cfg.out_dir, files[1]))
+    newest, _ = algo.read_checkpoint(os.path.join(cfg.out_dir, files[0]))
+    assert (older["chunks_done"], older["env_steps"], newest["chunks_done"]) == (2, 256, 3)
 
 
 @ALGOS
@@ -165,32 +218,126 @@ def test_checkpoint_of_other_shapes_is_refused(algo, full_run):
 @ALGOS
 def test_checkpoint_write_is_atomic(algo, tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.msgpack")
-    algo.save_checkpoint(path, {"w": np.arange(3.0)}, {"step": 1})
+    meta = {"config": {}, "chunks_done": 1, "env_steps": 1, "wall_s": 0.0, "rows": []}
+    algo.save_checkpoint(path, {"w": np.arange(3.0)}, meta)
     good = open(path, "rb").read()
 
     def crash(src, dst):
         raise OSError("disk full")
     monkeypatch.setattr(algo.os, "replace", crash)
     with pytest.raises(OSError):
-        algo.save_checkpoint(path, {"w": np.arange(3.0) + 1}, {"step": 2})
+        algo.save_checkpoint(path, {"w": np.arange(3.0) + 1}, meta | {"chunks_done": 2})
     assert open(path, "rb").read() == good  # the previous checkpoint survived
     monkeypatch.undo()
-    assert algo.read_checkpoint(path)[0]["step"] == 1
+    assert algo.read_checkpoint(path)[0]["chunks_done"] == 1
+
+
+class Evil:
+    """Unpickling this writes a marker file: the proof that a loader ran pickle."""
+    marker = ""
+
+    def __reduce__(self):
+        return (open, (Evil.marker, "w"))
 
 
 @ALGOS
-def test_loading_a_checkpoint_never_unpickles(algo, full_run, monkeypatch):
+def test_loading_a_checkpoint_never_unpickles(algo, full_run, tmp_path):
+    """Checkpoints whose payload (or one array) is a pickle, with valid checksums: refused, and nothing executed."""
     cfg, _ = full_run(algo)
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("pickle used")
-    monkeypatch.setattr(pickle, "loads", forbidden)
-    monkeypatch.setattr(pickle, "load", forbidden)
-    monkeypatch.setattr(pickle, "Unpickler", forbidden)
-    path = os.path.join(cfg.out_dir, "checkpoint.msgpack")
-    meta, payload = algo.read_checkpoint(path)
+    good = os.path.join(cfg.out_dir, "checkpoint.msgpack")
+    Evil.marker = str(tmp_path / "executed")
+    evil = pickle.dumps(Evil())
+    from flax import serialization
+    files = [resign(algo, good, tmp_path / "pickled_payload.msgpack", edit_payload=lambda p: evil),
+             resign(algo, good, tmp_path / "pickled_array.msgpack", edit_payload=lambda p: serialization.msgpack_serialize(
+                 {k: (evil if k == "0" else v) for k, v in serialization.msgpack_restore(p).items()}))]
     init, _, _ = algo.make_train(cfg, algo.make_env(cfg.env))
-    algo.restore_state(path, meta, payload, jax.eval_shape(jax.vmap(init), jnp.zeros((1, 2), jnp.uint32)))
+    template = jax.eval_shape(jax.vmap(init), jnp.zeros((1, 2), jnp.uint32))
+    for path in files:
+        meta, payload = algo.read_checkpoint(path)
+        with pytest.raises(SystemExit, match="corrupt checkpoint"):
+            algo.restore_state(path, meta, payload, template)
+    assert not os.path.exists(Evil.marker)
+    pickle.loads(evil)  # the marker works
+    assert os.path.exists(Evil.marker)
+
+
+@ALGOS
+def test_crafted_headers_are_refused_before_use(algo, full_run, tmp_path, monkeypatch):
+    """The checksum and the format version are verified before any header field is read; a header with a
+    valid checksum but missing or mistyped fields, or absurd nesting, is one line, not a traceback."""
+    cfg, _ = full_run(algo)
+    good = os.path.join(cfg.out_dir, "checkpoint.msgpack")
+    cases = {
+        "empty_header": (dict(header=b"{}\n"), "header lacks or mistypes: config, chunks_done"),
+        "list_header": (dict(header=b"[1, 2]\n"), "header lacks or mistypes"),
+        "nested": (dict(header=b"[" * 100_000 + b"]" * 100_000 + b"\n"), "unreadable header"),
+        "rows_text": (dict(edit_meta=lambda m: m | {"rows": "x"}), "mistypes: rows"),
+        "bad_config_type": (dict(edit_meta=lambda m: m | {"config": m["config"] | {"num_envs": "8"}}), None),
+        "unknown_config_field": (dict(edit_meta=lambda m: m | {"config": m["config"] | {"x": 1}}), None),
+        "other_version": (dict(magic=algo.CHECKPOINT_MAGIC.replace(b"v1", b"v7")), "another format version"),
+    }
+    for name, (edit, message) in cases.items():
+        run = tmp_path / name
+        run.mkdir()
+        path = resign(algo, good, run / "checkpoint.msgpack", **edit)
+        with pytest.raises(SystemExit) as error:
+            algo.parse_config(["--resume", str(run)])
+        assert "\n" not in str(error.value) and str(error.value).startswith("error: "), name
+        assert message is None or message in str(error.value), (name, str(error.value))
+        if message is None:
+            assert "holds no valid configuration" in str(error.value), name
+        assert os.listdir(run) == ["checkpoint.msgpack"]
+
+
+@ALGOS
+def test_run_fields_never_come_from_the_checkpoint(algo, full_run, tmp_path, monkeypatch):
+    """A resumed run takes --distributed, its coordinator, --video, --wandb, ... from the command line only; a
+    header with a wrong checksum is refused before any of it is read, so no connection is ever opened."""
+    cfg, _ = full_run(algo)
+    good = os.path.join(cfg.out_dir, "checkpoint.msgpack")
+    connect = dict(distributed=True, coordinator_address="203.0.113.1:1234", num_processes=2, process_id=1,
+                   video=str(tmp_path / "v.mp4"), wandb=True, eval_only=True, checkpoint="/x", out_dir="/elsewhere")
+
+    def no_connection(*args, **kwargs):
+        raise AssertionError("jax.distributed.initialize called")
+    monkeypatch.setattr(jax.distributed, "initialize", no_connection)
+    crafted = tmp_path / "crafted"
+    crafted.mkdir()
+    resign(algo, good, crafted / "checkpoint.msgpack", edit_meta=lambda m: m | {"config": m["config"] | connect})
+    resumed = algo.parse_config(["--resume", str(crafted)])
+    assert not resumed.distributed and resumed.coordinator_address is None and resumed.video is None
+    assert not resumed.wandb and not resumed.eval_only and resumed.checkpoint is None
+    assert resumed.out_dir == str(crafted) and resumed.num_envs == cfg.num_envs
+    data = bytearray((crafted / "checkpoint.msgpack").read_bytes())
+    data[-1] ^= 0xFF  # the checksum no longer matches
+    (crafted / "checkpoint.msgpack").write_bytes(bytes(data))
+    for call in (lambda: algo.parse_config(["--resume", str(crafted)]),
+                 lambda: algo.train(dataclasses.replace(cfg, resume=str(crafted), out_dir=str(crafted)))):
+        with pytest.raises(SystemExit, match="checksum mismatch"):
+            call()
+
+
+@ALGOS
+def test_restored_arrays_are_checked_against_the_train_state(algo, full_run, tmp_path):
+    """A header that agrees with the train state but an array of another shape (or dtype) in the payload."""
+    cfg, _ = full_run(algo)
+    good = os.path.join(cfg.out_dir, "checkpoint.msgpack")
+    from flax import serialization
+    meta, payload = algo.read_checkpoint(good)
+    index = next(i for i, (shape, _) in enumerate(meta["leaves"]) if shape)  # the first array that is not a scalar
+
+    def other(array):
+        return lambda p: serialization.msgpack_serialize(
+            {k: (array(v) if k == str(index) else v) for k, v in serialization.msgpack_restore(p).items()})
+    init, _, _ = algo.make_train(cfg, algo.make_env(cfg.env))
+    template = jax.eval_shape(jax.vmap(init), jnp.zeros((1, 2), jnp.uint32))
+    for name, change in [("longer", lambda v: np.concatenate([v.ravel(), v.ravel()])),
+                         ("float64", lambda v: v.astype(np.float64))]:
+        path = resign(algo, good, tmp_path / f"{name}.msgpack", edit_payload=other(change))
+        m, p = algo.read_checkpoint(path)
+        with pytest.raises(SystemExit, match=f"array {index} has another shape or dtype"):
+            algo.restore_state(path, m, p, template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +457,7 @@ def test_physics_blow_ups_are_counted_and_never_reach_the_update(algo, monkeypat
     writer = types.SimpleNamespace(add_scalar=lambda k, v, step: scalars.append((k, v, step)), flush=lambda: None,
                                    close=lambda: None)
     monkeypatch.setitem(sys.modules, "tensorboardX", types.SimpleNamespace(SummaryWriter=lambda path: writer))
-    wandb_run = types.SimpleNamespace(log=lambda row, step: logged.append((row, step)), finish=lambda: None)
+    wandb_run = types.SimpleNamespace(id="w1", log=lambda row, step: logged.append((row, step)), finish=lambda: None)
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: wandb_run))
     cfg, lines, run = run_point(algo, monkeypatch, point_env(algo, blow_up_on_large_actions), tmp_path,
                                 tensorboard=True, wandb=True)
@@ -345,6 +492,56 @@ def test_nonfinite_observations_stop_the_run_at_once(algo, monkeypatch, tmp_path
     assert not os.path.exists(os.path.join(cfg.out_dir, "checkpoint.msgpack"))
 
 
+def nan_after(num_updates):
+    """An optax transformation that turns the policy's updates (TruDi: the actor's, whose loss comes after the
+    critic's; PPO: all) from the num_updates-th on into NaN."""
+    import optax
+
+    def update(updates, count, params=None):
+        bad = (count >= num_updates) & ("log_alpha" in updates or "value" in updates)
+        return jax.tree.map(lambda u: jnp.where(bad, jnp.nan, u), updates), count + 1
+    return optax.GradientTransformation(lambda params: jnp.zeros((), jnp.int32), update)
+
+
+@ALGOS
+def test_nonfinite_parameters_stop_the_run_naming_them(algo, monkeypatch, tmp_path):
+    """Parameters turned NaN by the last minibatch update of iteration 4 (updates 8 and 9 are its two minibatches),
+    while every loss of that iteration was still computed from finite parameters."""
+    import optax
+    adam = optax.adam
+    monkeypatch.setattr(optax, "adam", lambda lr: optax.chain(adam(lr), nan_after(9)))
+    cfg, lines, run = run_point(algo, monkeypatch, point_env(algo, lambda sim, nxt, action: nxt), tmp_path)
+    quantity = "actor parameters" if algo is trudi_jax else "parameters"
+    with pytest.raises(SystemExit, match=f"non-finite {quantity} at iteration 4 .* last good checkpoint kept"):
+        run()
+
+
+@ALGOS
+def test_nonfinite_rewards_stop_the_run(algo, monkeypatch, tmp_path):
+    """A finite reward that the reward scale overflows (1e30 x 1e10) reaches the batch as inf: stopped at once."""
+    env = point_env(algo, lambda sim, nxt, action: nxt.replace(reward=jnp.full((), 1e30)))
+    cfg, lines, run = run_point(algo, monkeypatch, env, tmp_path, reward_scale=1e10)
+    with pytest.raises(SystemExit, match="non-finite rewards at iteration 0 .* no checkpoint written"):
+        run()
+
+
+@ALGOS
+def test_blow_up_during_evaluation_ends_that_episode_only(algo):
+    """Evaluation: an episode whose physics blows up at its 5th step keeps the rewards before it; others run on."""
+    def blow_up_after_4_steps(sim, nxt, action):
+        bad = (nxt.obs[0] >= 5) & (sim.obs[1] > 0.5)  # only episodes that started at x > 0.5
+        return nxt.replace(obs=jnp.where(bad, jnp.nan, nxt.obs), reward=jnp.where(bad, jnp.nan, 1.0))
+    env = point_env(algo, blow_up_after_4_steps)
+    env = env._replace(reset=lambda key: PointSim(jnp.array([0.0, 0.4]) + jnp.array([0.0, 0.2]) * jnp.arange(2)[
+        jax.random.randint(key, (), 0, 2)], jnp.zeros(()), jnp.zeros(())))
+    mean, std = map(float, algo.run_episodes(env, lambda obs, key: jnp.zeros((obs.shape[0], 1)),
+                                              jax.random.PRNGKey(0), 64, 20))
+    # every return is 4 (blown up after 4 rewards of 1) or 20 (all steps): a fraction p of 4s gives
+    # mean 20 - 16 p and std 16 sqrt(p (1 - p))
+    p = (20.0 - mean) / 16.0
+    assert 0 < p < 1 and std == pytest.approx(16.0 * math.sqrt(p * (1 - p)), rel=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Configuration errors (before anything compiles)
 # ---------------------------------------------------------------------------------------------
@@ -358,17 +555,88 @@ BAD_FLAGS = [
     (["--eval-episodes", "0"], "--eval-episodes must be positive"),
     (["--video", "run.gif"], "--video must name an .mp4 file"),
     (["--num-evals", "0"], "--num-evals and --num-eval-envs must be positive"),
+    (["--checkpoint", "runs/x/checkpoint.msgpack"], "--checkpoint is read by --eval-only only"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be positive"),
+    (["--video", "/nonexistent/x.mp4"], "--video /nonexistent/x.mp4: cannot be created"),
+    (["HIDDEN"], "needs one or more positive widths"),
 ]
+HIDDEN = {ppo_jax: "--value-hidden", trudi_jax: "--critic-hidden"}  # a width list given no values
 
 
 @ALGOS
 @pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[f[0][0] for f in BAD_FLAGS])
 def test_impossible_configuration_exits_with_one_line_before_compiling(algo, flags, message, tmp_path):
     out = tmp_path / "out"
+    flags = [HIDDEN[algo] if f == "HIDDEN" else f for f in flags]
     with pytest.raises(SystemExit) as error:
         algo.train(algo.parse_config(flags + ["--out-dir", str(out)]), log=lambda line: None)
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not out.exists()
+
+
+@ALGOS
+def test_unusable_out_dir_is_refused_with_one_line(algo, tmp_path):
+    (tmp_path / "file").write_text("")
+    for out_dir in ["/dev/null/x", str(tmp_path / "file"), str(tmp_path / "file" / "run")]:
+        with pytest.raises(SystemExit) as error:
+            algo.train(algo.parse_config(["--out-dir", out_dir]), log=lambda line: None)
+        assert f"--out-dir {out_dir}: cannot be created" in str(error.value) and "\n" not in str(error.value)
+
+
+@ALGOS
+def test_budget_rounding_is_reported_in_the_first_line(algo, tmp_path):
+    lines = []
+
+    def stop_at_first_line(line):
+        lines.append(line)
+        raise KeyboardInterrupt
+    cfg = algo.parse_config(["--total-steps", "1000", "--num-evals", "100", "--num-envs", "64", "--rollout-steps", "32",
+                             "--out-dir", str(tmp_path / "run")])
+    with pytest.raises(KeyboardInterrupt):
+        algo.train(cfg, log=stop_at_first_line)
+    assert "running 204,800 env steps per seed (100 log points x 1 iterations x 64 envs x 32 steps; asked for " \
+           "1,000)" in lines[0] and str(tmp_path / "run") in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+@ALGOS
+def test_every_log_line_is_flushed(algo, monkeypatch):
+    """Progress reaches a log file at once (stdout to a file is block-buffered): each line is flushed."""
+    events = []
+    monkeypatch.setattr(sys, "stdout", types.SimpleNamespace(write=lambda text: events.append("write"),
+                                                             flush=lambda: events.append("flush")))
+    algo.log_line("[x] steps 1")
+    monkeypatch.undo()
+    assert events[-1] == "flush" and "write" in events
+    for fn in (algo.train, algo.evaluate_checkpoint):
+        assert inspect.signature(fn).parameters["log"].default is algo.log_line
+
+
+@ALGOS
+def test_each_run_gets_its_own_directory_by_default(algo, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = algo.parse_config(["--env", "CartpoleBalance", "--seed", "3"])
+    assert cfg.out_dir is None
+    first = algo.run_directory(cfg, "x")
+    assert first.startswith(os.path.join("runs", "x_CartpoleBalance_3_20"))
+    os.makedirs(first)
+    second = algo.run_directory(cfg, "x")
+    assert second != first and second.startswith(first)
+
+
+@ALGOS
+def test_out_dir_holding_a_run_is_refused_unless_overwrite(algo, full_run, tmp_path):
+    cfg, reference = full_run(algo)
+    run = tmp_path / "run"
+    shutil.copytree(cfg.out_dir, run)
+    before = {p: (run / p).read_bytes() for p in os.listdir(run)}
+    with pytest.raises(SystemExit, match=f"--out-dir {run} already holds a run .*pass --overwrite"):
+        algo.train(tiny(algo, run), log=lambda line: None)
+    assert {p: (run / p).read_bytes() for p in os.listdir(run)} == before
+    (run / "notes.txt").write_text("mine")
+    rows = algo.train(tiny(algo, run, overwrite=True, keep_checkpoints=1), log=lambda line: None)
+    assert_rows_equal(rows, reference)
+    assert sorted(os.listdir(run)) == ["checkpoint.msgpack", "config.json", "metrics.csv", "notes.txt"]
 
 
 @ALGOS
@@ -390,10 +658,12 @@ def test_missing_logging_package_is_a_clear_error(algo, monkeypatch, tmp_path):
 # Several devices: environments split across 2 forced CPU devices
 # ---------------------------------------------------------------------------------------------
 SHARDED_RUN = """
-import json, sys
+import json, os, shutil, sys
 import jax
 import numpy as np
 import {algo}
+jax.config.update("jax_compilation_cache_dir", sys.argv[3])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 cfg = {algo}.config_from_dict(json.loads(sys.argv[1]))
 assert jax.device_count() == 2
 init, _, _ = {algo}.make_train(cfg, {algo}.make_env(cfg.env))
@@ -403,56 +673,104 @@ shardings = {algo}.state_shardings(jax.eval_shape(jax.vmap(init), keys), mesh)
 ts = jax.jit(jax.vmap(init), out_shardings=shardings)(keys)
 shard_shapes = sorted({{s.data.shape for s in ts.env_state.t.addressable_shards}})
 rows = {algo}.train(cfg, log=lambda line: None)
-print(json.dumps({{"shard_shapes": shard_shapes, "rows": rows}}))
+# resume the 1-device run's checkpoint after its 2nd log point on these 2 devices
+os.makedirs(sys.argv[2] + "/resumed")
+shutil.copy(sys.argv[2] + "/checkpoint_000000000256.msgpack", sys.argv[2] + "/resumed/checkpoint.msgpack")
+resumed = {algo}.train({algo}.parse_config(["--resume", sys.argv[2] + "/resumed", "--no-plot"]), log=lambda line: None)
+print(json.dumps({{"shard_shapes": shard_shapes, "rows": rows, "resumed": resumed}}))
 """
 
 
 @ALGOS
-def test_two_devices_match_one_device(algo, full_run, tmp_path):
+def test_two_devices_match_one_device_and_resume_its_checkpoint(algo, full_run, tmp_path):
     """Splitting the environments over 2 devices changes only the order of floating-point sums in the reductions
     across devices (batch means, gradients, normaliser); random numbers do not depend on the sharding
     (threefry is partitionable). Over 6 iterations that leaves differences of float32 rounding size
-    (measured ~1e-7 relative), so rtol 1e-4 passes with a wide margin yet fails on any real change."""
+    (measured ~1e-7 relative), so rtol 1e-4 passes with a wide margin yet fails on any real change.
+    A checkpoint holds whole arrays, so the 1-device run's checkpoint resumes on 2 devices as well."""
     cfg, reference = full_run(algo)
-    config = algo.config_dict(cfg) | {"out_dir": str(tmp_path), "checkpoint_every": 0}
+    config = algo.config_dict(cfg) | {"out_dir": str(tmp_path / "run"), "checkpoint_every": 0}
+    shutil.copy(os.path.join(cfg.out_dir, "checkpoint_000000000256.msgpack"), tmp_path)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SHARDED_RUN.format(algo=algo.__name__), json.dumps(config)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", SHARDED_RUN.format(algo=algo.__name__), json.dumps(config),
+                           str(tmp_path), str(tmp_path / "cache")], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["shard_shapes"] == [[1, 4]]  # each device holds 4 of the 8 environments
-    for a, b in zip(strip_timing(result["rows"]), strip_timing(reference)):
-        for k in b:
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert len(result["rows"]) == len(result["resumed"]) == len(reference) == 3
+    assert strip_timing(result["resumed"][:2]) == strip_timing(reference[:2])  # the saved rows, as saved
+    for rows in (result["rows"], result["resumed"]):
+        for a, b in zip(strip_timing(rows), strip_timing(reference)):
+            for k in b:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-def test_distributed_two_processes_match_one_process(full_run, tmp_path):
+DISTRIBUTED_FLAGS = {ppo_jax: ["--policy-hidden", "16", "--value-hidden", "16"],
+                     trudi_jax: ["--actor-hidden", "16", "--critic-hidden", "16", "--num-bins", "11",
+                                 "--num-diffusion-steps", "2"]}
+
+
+@ALGOS
+def test_distributed_two_processes_match_one_process(algo, full_run, tmp_path):
     """--distributed on 2 CPU processes (one device each, gloo collectives): the environments are split across
     the processes, process 0 alone writes metrics and checkpoints (gathered from both). As with 2 devices
-    in one process, only the order of floating-point sums differs (measured: 5e-4 relative at most, on
-    approx_kl, a difference of two nearly equal log-probabilities), hence rtol 1e-3."""
+    in one process, only the order of floating-point sums differs (measured: PPO 5e-4 relative at most, on
+    approx_kl, a difference of two nearly equal log-probabilities; TruDi 1e-7), hence rtol 1e-3."""
     import socket
-    cfg, reference = full_run(ppo_jax)
+    cfg, reference = full_run(algo)
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     flags = ["--env", "CartpoleBalance", "--num-envs", "8", "--rollout-steps", "8", "--num-minibatches", "2",
              "--num-epochs", "1", "--total-steps", str(8 * 8 * 2 * 3), "--num-evals", "3", "--num-eval-envs", "2",
-             "--episode-length", "50", "--policy-hidden", "16", "--value-hidden", "16", "--no-plot",
+             "--episode-length", "50", *DISTRIBUTED_FLAGS[algo], "--no-plot",
              "--checkpoint-every", "1", "--out-dir", str(tmp_path / "run"), "--distributed",
              "--coordinator-address", f"localhost:{port}", "--num-processes", "2"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, "ppo_jax.py"] + flags + ["--process-id", str(i)], cwd=REPO_ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, f"{algo.__name__}.py"] + flags + ["--process-id", str(i)],
+                              cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
     outputs = [p.communicate(timeout=900) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    assert "(2 devices)" in outputs[0][0] and "[ppo" not in outputs[1][0]  # process 1 does not log
+    name = algo.run_name(cfg)
+    assert "(2 devices)" in outputs[0][0] and f"[{name}" not in outputs[1][0]  # process 1 does not log
     with open(tmp_path / "run" / "metrics.csv") as f:
         rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    assert len(rows) == len(reference) == 3
     for a, b in zip(strip_timing(rows), strip_timing(reference)):
         for k in b:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-3, atol=1e-6, err_msg=k)
-    meta, payload = ppo_jax.read_checkpoint(str(tmp_path / "run" / "checkpoint.msgpack"))
-    init, _, _ = ppo_jax.make_train(cfg, ppo_jax.make_env(cfg.env))
-    state = ppo_jax.restore_state("", meta, payload, jax.eval_shape(jax.vmap(init), jnp.zeros((1, 2), jnp.uint32)))
+    meta, payload = algo.read_checkpoint(str(tmp_path / "run" / "checkpoint.msgpack"))
+    init, _, _ = algo.make_train(cfg, algo.make_env(cfg.env))
+    state = algo.restore_state("", meta, payload, jax.eval_shape(jax.vmap(init), jnp.zeros((1, 2), jnp.uint32)))
     assert state.env_state.t.shape == (1, 8) and int(state.iteration[0]) == 6  # both processes' environments
+
+
+# ---------------------------------------------------------------------------------------------
+# The run-management part is one text in both files
+# ---------------------------------------------------------------------------------------------
+FENCE = "# Run management: video, checkpoints, devices, logging, the host loop and the command line."
+
+
+def test_run_management_is_the_same_text_in_both_files():
+    """Everything from the fence to the end of the file, and each function in it, is identical in ppo_jax.py
+    and trudi_jax.py; what differs is named before the fence (ALGO, run_name, policy_of, eval_policy, ...)."""
+    texts = {}
+    for algo in (ppo_jax, trudi_jax):
+        source = inspect.getsource(algo)
+        assert source.count(FENCE) == 1
+        texts[algo] = source[source.index(FENCE):]
+    assert texts[ppo_jax] == texts[trudi_jax]
+    shared = [name for name, fn in vars(trudi_jax).items() if inspect.isfunction(fn) and fn.__module__ == "trudi_jax"
+              and inspect.getsource(fn) in texts[trudi_jax]]
+    assert {"train", "read_checkpoint", "restore_state", "parse_config", "save_checkpoint", "evaluate_checkpoint",
+            "open_sinks", "run_directory", "log_line", "config_from_dict"} <= set(shared)
+    for name in shared:
+        assert inspect.getsource(getattr(ppo_jax, name)) == inspect.getsource(getattr(trudi_jax, name)), name
+    # the names the shared part uses of each algorithm exist in both, and only these differ
+    hooks = ("ALGO", "IDENTITY_FIELDS", "PROGRESS_METRICS", "run_name", "policy_of", "eval_policy", "make_train",
+             "make_env", "validate", "chunk_iterations", "run_episodes", "preset_config", "Config", "RUN_FIELDS",
+             "NONFINITE_CHECKS", "TrainState", "observation")
+    for name in hooks:
+        assert hasattr(ppo_jax, name) and hasattr(trudi_jax, name), name
