@@ -233,18 +233,21 @@ def test_preset_and_flag_override():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_cpu_preset_learns_cartpole_balance(tmp_path, monkeypatch):
-    """Seeds 0-3 of the cpu preset first pass 975 after 205k-410k steps (measured 2026-12-03 with this
-    chunking; seed 0: 975 at 358k); the budget is 600k."""
+    """Four seeds of the cpu preset in one vmapped program. Measured 2026-12-03 (2-core CPU, 1.2M steps): every
+    seed passes 950 between 301k and 502k steps. A single seed's course depends on the machine's floating-point
+    details (seed 0 alone stayed below 750 up to 600k on one machine), so the claim is about seeds: at least
+    3 of 4 pass 950 within 800k steps."""
     monkeypatch.chdir(tmp_path)  # MuJoCo writes MUJOCO_LOG.TXT into the working directory
-    cfg = dataclasses.replace(ppo_jax.parse_config(["--env", "CartpoleBalance", "--preset", "cpu"]),
-                              total_steps=600_000, num_evals=12, num_eval_envs=32, out_dir=str(tmp_path / "run"))
+    cfg = dataclasses.replace(ppo_jax.parse_config(["--env", "CartpoleBalance", "--preset", "cpu"]), num_seeds=4,
+                              total_steps=800_000, num_evals=8, num_eval_envs=32, out_dir=str(tmp_path / "run"))
     rows = ppo_jax.train(cfg, log=lambda line: None)
+    best = {s: max(r["eval_return"] for r in rows if r["seed"] == s) for s in range(cfg.num_seeds)}
+    assert sum(b >= 950 for b in best.values()) >= 3, rows  # zero action: ~697
     eval_returns = [row["eval_return"] for row in rows]
-    assert max(eval_returns) >= 900, eval_returns  # zero action: ~697
 
     with open(tmp_path / "run" / "metrics.csv") as f:
         table = list(csv.DictReader(f))
-    assert len(table) == cfg.num_evals
+    assert len(table) == cfg.num_evals * cfg.num_seeds
     assert {"env_steps", "eval_return", "steps_per_sec"} <= set(table[0])
     assert [float(r["eval_return"]) for r in table] == pytest.approx(eval_returns)
     assert int(table[-1]["env_steps"]) >= cfg.total_steps

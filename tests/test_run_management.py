@@ -557,7 +557,7 @@ BAD_FLAGS = [
     (["--num-evals", "0"], "--num-evals and --num-eval-envs must be positive"),
     (["--checkpoint", "runs/x/checkpoint.msgpack"], "--checkpoint is read by --eval-only only"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be positive"),
-    (["--video", "/nonexistent/x.mp4"], "--video /nonexistent/x.mp4: cannot be created"),
+    (["--video", "/dev/null/x.mp4"], "--video /dev/null/x.mp4: cannot be created"),  # even as root
     (["HIDDEN"], "needs one or more positive widths"),
 ]
 HIDDEN = {ppo_jax: "--value-hidden", trudi_jax: "--critic-hidden"}  # a width list given no values
