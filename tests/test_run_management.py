@@ -699,7 +699,7 @@ def test_two_devices_match_one_device_and_resume_its_checkpoint(algo, full_run, 
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["shard_shapes"] == [[1, 4]]  # each device holds 4 of the 8 environments
     assert len(result["rows"]) == len(result["resumed"]) == len(reference) == 3
-    assert strip_timing(result["resumed"][:2]) == strip_timing(reference[:2])  # the saved rows, as saved
+    np.testing.assert_equal(strip_timing(result["resumed"][:2]), strip_timing(reference[:2]))  # saved rows (nan == nan)
     for rows in (result["rows"], result["resumed"]):
         for a, b in zip(strip_timing(rows), strip_timing(reference)):
             for k in b:
