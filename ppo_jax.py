@@ -40,6 +40,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 import types
@@ -638,6 +639,17 @@ def check_video_support(env: Env) -> None:
         raise SystemExit("error: --video: this task has no renderer")
     if importlib.util.find_spec("imageio_ffmpeg") is None:
         raise SystemExit("error: --video needs the imageio-ffmpeg package (pip install imageio-ffmpeg)")
+    # A renderer that cannot start aborts the whole process (no exception), so try it in a child process,
+    # with the OpenGL backend this process has (MuJoCo fixes it at its first import).
+    imported = sys.modules.get("mujoco")
+    gl = imported.GLContext.__module__.rsplit(".")[-1] if imported else os.environ.get("MUJOCO_GL", "egl")
+    probe = subprocess.run([sys.executable, "-c", "import mujoco; m = mujoco.MjModel.from_xml_string('<mujoco/>'); "
+                            "r = mujoco.Renderer(m, 16, 16); r.update_scene(mujoco.MjData(m)); r.render()"],
+                           env=os.environ | {"MUJOCO_GL": gl}, capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        raise SystemExit(f"error: --video: MuJoCo cannot render headless here with MUJOCO_GL={gl} ({why}); "
+                         "install EGL (libegl1) or OSMesa and set MUJOCO_GL, or drop --video")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -369,6 +369,18 @@ def test_video_of_an_evaluation_episode(algo, full_run, tmp_path):
     assert frame.shape[:2] == (240, 320) and frame[..., :3].std() > 0.01  # a picture, not a blank frame
 
 
+def test_video_without_a_working_renderer_is_refused_before_compiling(tmp_path):
+    """MuJoCo's GLFW backend without a display aborts the process when the renderer starts (CI saw it, after a
+    whole training run): --video probes the renderer in a child process first. One file stands for both."""
+    env = {k: v for k, v in os.environ.items() if k != "DISPLAY"} | {"MUJOCO_GL": "glfw"}
+    proc = subprocess.run([sys.executable, "trudi_jax.py", "--video", str(tmp_path / "v.mp4"), "--out-dir",
+                           str(tmp_path / "run")], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "compiling" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "error: --video: MuJoCo cannot render headless here with MUJOCO_GL=glfw" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "v.mp4").exists()
+
+
 BRAX_VIDEO = """
 import os, sys
 os.environ["MUJOCO_GL"] = "egl"
