@@ -937,7 +937,8 @@ def check_video_support(env: Env) -> None:
     # A renderer that cannot start aborts the whole process (no exception), so try it in a child process,
     # with the OpenGL backend this process has (MuJoCo fixes it at its first import).
     imported = sys.modules.get("mujoco")
-    gl = imported.GLContext.__module__.rsplit(".")[-1] if imported else os.environ.get("MUJOCO_GL", "egl")
+    gl = (imported.GLContext.__module__.rsplit(".")[-1] if hasattr(imported, "GLContext")
+          else os.environ.get("MUJOCO_GL", "egl"))
     probe = subprocess.run([sys.executable, "-c", "import mujoco; m = mujoco.MjModel.from_xml_string('<mujoco/>'); "
                             "r = mujoco.Renderer(m, 16, 16); r.update_scene(mujoco.MjData(m)); r.render()"],
                            env=os.environ | {"MUJOCO_GL": gl}, capture_output=True, text=True, timeout=120)
