@@ -137,6 +137,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
     checks = [
         (cfg.num_envs % num_devices == 0,
          f"--num-envs {cfg.num_envs} is not divisible across the {num_devices} devices"),
+        (cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (0: no clipping), got {cfg.max_grad_norm}"),
         (cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}"),
         (not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH"),
         (cfg.eval_only or not cfg.checkpoint, "--checkpoint is read by --eval-only only (to continue a run: --resume DIR)"),
@@ -432,8 +433,24 @@ def chunk_iterations(cfg: Config) -> int:
     return math.ceil(math.ceil(cfg.total_steps / (cfg.num_envs * cfg.rollout_steps)) / cfg.num_evals)
 
 
+def all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
+NONFINITE_CHECKS = ("observations", "rewards", "loss", "parameters")
+
+
+def first_nonfinite(nonfinite: jax.Array, first_iteration) -> dict:
+    """The first iteration of a chunk with a non-finite quantity (-1 if none) and the first such quantity."""
+    bad = nonfinite.any(-1)
+    i = jnp.argmax(bad)
+    return {"nonfinite_iteration": jnp.where(bad.any(), first_iteration + i, -1),
+            "nonfinite_check": jnp.argmax(nonfinite[i])}
+
+
 def make_train(cfg: Config, env: Env):
-    """Returns pure functions init(key) -> TrainState, chunk(TrainState) -> (TrainState, metrics)."""
+    """Returns (init, chunk, iterations per chunk): the pure functions init(key) -> TrainState and
+    chunk(TrainState) -> (TrainState, metrics), and how many iterations one chunk runs."""
     policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
     value_net = MLP(cfg.value_hidden, 1)
     clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
@@ -443,10 +460,10 @@ def make_train(cfg: Config, env: Env):
     reset_block = reset_block_size(cfg.num_envs, cfg.episode_length, cfg.rollout_steps)
 
     def init(key):
-        k_pi, k_v, k_env, k_pool, key = jax.random.split(key, 5)
+        k_pi, k_v, k_env, k_clock, k_pool, key = jax.random.split(key, 6)
         dummy = jnp.zeros((1, env.obs_size))
         params = {"policy": policy.init(k_pi, dummy), "value": value_net.init(k_v, dummy)}
-        env_state = desynchronize(env_reset(env, jax.random.split(k_env, cfg.num_envs)), k_env, cfg.episode_length)
+        env_state = desynchronize(env_reset(env, jax.random.split(k_env, cfg.num_envs)), k_clock, cfg.episode_length)
         reset_pool = env_reset(env, jax.random.split(k_pool, cfg.num_envs))
         return TrainState(params, optimizer.init(params), normalizer_init(env.obs_size), env_state, reset_pool,
                           key, jnp.zeros((), jnp.int32))
@@ -526,21 +543,6 @@ def make_train(cfg: Config, env: Env):
         return ts._replace(key=key), metrics
 
     return init, chunk, iters_per_chunk
-
-
-def all_finite(tree) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
-
-
-NONFINITE_CHECKS = ("observations", "rewards", "loss", "parameters")
-
-
-def first_nonfinite(nonfinite: jax.Array, first_iteration) -> dict:
-    """The first iteration of a chunk with a non-finite quantity (-1 if none) and the first such quantity."""
-    bad = nonfinite.any(-1)
-    i = jnp.argmax(bad)
-    return {"nonfinite_iteration": jnp.where(bad.any(), first_iteration + i, -1),
-            "nonfinite_check": jnp.argmax(nonfinite[i])}
 
 
 def eval_policy(cfg: Config, env: Env, params, norm: Normalizer) -> Callable:

@@ -79,7 +79,7 @@ class Config:
     num_minibatches: int = 8  # minibatches per epoch
     num_epochs: int = 8  # passes over each batch
     learning_rate: float = 1e-3  # Adam, actor and critic
-    max_grad_norm: float = 0.5  # global gradient-norm clip
+    max_grad_norm: float = 0.5  # global gradient-norm clip (0: off)
     gamma: float = 0.99  # discount
     td_lambda: float = 0.95  # lambda of the soft lambda-returns
     reward_scale: float = 1.0  # rewards are multiplied by this for learning (not for reporting)
@@ -103,7 +103,7 @@ class Config:
     # critic
     num_bins: int = 151  # atoms of the categorical Q
     vmin: float = 0.0  # support of Q
-    vmax: float = 150.0
+    vmax: float = 150.0  # returns (after --reward-scale) beyond [vmin, vmax] are clipped in the HL-Gauss targets
     hl_gauss_std: float = 0.75  # HL-Gauss target std, in bin widths
     aux_coef: float = 1.0  # weight of the self-predictive auxiliary loss
     num_action_samples: int = 2  # M: actions averaged for V(s') in the targets
@@ -116,7 +116,6 @@ class Config:
     num_eval_envs: int = 64  # fresh episodes per evaluation
     out_dir: str | None = None  # outputs go here (None: a new runs/<algo>_<env>_<seed>_<date-time>)
     overwrite: bool = False  # replace a previous run's outputs in --out-dir (else such a directory is refused)
-    overwrite: bool = False  # replace the outputs of a previous run in --out-dir (else such a directory is refused)
     plot: bool = True  # write <out_dir>/curve.png at the end
     # run management: checkpoints, evaluation of a saved policy, video, devices, logging
     checkpoint_every: int = 0  # write <out_dir>/checkpoint.msgpack every N log points and at the end (0: never)
@@ -163,6 +162,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
     checks = [
         (cfg.num_envs % num_devices == 0,
          f"--num-envs {cfg.num_envs} is not divisible across the {num_devices} devices"),
+        (cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (0: no clipping), got {cfg.max_grad_norm}"),
         (cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}"),
         (not cfg.eval_only or cfg.checkpoint, "--eval-only needs --checkpoint PATH"),
         (cfg.eval_only or not cfg.checkpoint, "--checkpoint is read by --eval-only only (to continue a run: --resume DIR)"),
@@ -459,13 +459,18 @@ class Chain(NamedTuple):
     eta: jax.Array  # eta_n = dt_n / friction, [N, d]
 
 
+def kernel_mean(x, u, eta, prior_std):
+    """mu_n = x_n + eta_n (f(x_n) + u_n): the mean of the forward kernel F_n."""
+    return x + eta * (prior_drift(x, prior_std) + u)
+
+
 def run_chain(control: Callable, x0, noise, eta, prior_std, ode_coef=1.0) -> Chain:
     """x_{n+1} = mu_n + sqrt(2 eta_n) eps_n,  mu_n = x_n + eta_n (f(x_n) + ode_coef * u(x_n, n)).
 
     control(x, n) -> u; noise [N, B, d] (zeros for the noise-free chain)."""
     def step(x, inputs):
         n, eps, eta_n = inputs
-        mean = x + eta_n * (prior_drift(x, prior_std) + ode_coef * control(x, n))
+        mean = kernel_mean(x, ode_coef * control(x, n), eta_n, prior_std)
         x_next = mean + jnp.sqrt(2 * eta_n) * eps
         return x_next, (x_next, mean)
 
@@ -540,7 +545,7 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
         new_eta = eta(params)
         u = net.apply(params["control"], old.xs[:-1], jnp.broadcast_to(obs_k, (N,) + obs_k.shape),
                       jnp.broadcast_to(embedding[:, None], (N, obs_k.shape[0], E)))
-        new_means = old.xs[:-1] + per_step(new_eta, u) * (prior_drift(old.xs[:-1], cfg.prior_std) + u)
+        new_means = kernel_mean(old.xs[:-1], u, per_step(new_eta, u), cfg.prior_std)
         return chain_kl(old, new_means, new_eta, cfg.kl_mode).reshape(K, -1).mean(0)
 
     def evaluate(params, obs, key):
@@ -590,6 +595,11 @@ def atoms(cfg: Config) -> jax.Array:
     return jnp.linspace(cfg.vmin, cfg.vmax, cfg.num_bins)
 
 
+def expected_q(logits, cfg: Config) -> jax.Array:
+    """Q(s, a) = sum_i softmax(logits)_i z_i, the mean of the categorical critic over the atoms z_i."""
+    return jnp.sum(jax.nn.softmax(logits) * atoms(cfg), -1)
+
+
 def hl_gauss(y, vmin, vmax, num_bins, std_bins=0.75):
     """Probabilities of N(y, (std_bins * width)^2) integrated over each bin [e_i, e_{i+1}], renormalised."""
     width = (vmax - vmin) / (num_bins - 1)
@@ -613,9 +623,6 @@ def soft_lambda_return(soft_reward, next_value, terminated, truncated, gamma, la
     return g
 
 
-# ---------------------------------------------------------------------------------------------
-# Losses: critic (HL-Gauss cross-entropy + self-prediction) and the gated actor loss.
-# ---------------------------------------------------------------------------------------------
 class Transition(NamedTuple):
     obs: jax.Array  # raw s_t
     action: jax.Array  # a_t (as sent to the environment)
@@ -636,6 +643,31 @@ class Batch(NamedTuple):
     aux_mask: jax.Array  # 1 where (s_{t+1}, a_{t+1}) exist
 
 
+def compute_targets(actor: Actor, critic: Critic, cfg: Config, actor_params, critic_params, norm: Normalizer,
+                    traj: Transition, key) -> Batch:
+    """Soft lambda-returns with the pre-update critic: r~_t = r_t - gamma alpha log pi(a'_t|s'_t) (not where
+    terminated), a'_t the rollout's next action where the episode goes on (has_next), else a fresh sample at the
+    true s'_t; V(s'_t) = mean of Q(s'_t, a) over num_action_samples fresh actions."""
+    T = traj.reward.shape[0]
+    obs = normalize(norm, traj.obs, cfg.normalize_obs)
+    next_obs = normalize(norm, traj.next_obs, cfg.normalize_obs)
+    keys = jax.random.split(key, cfg.num_action_samples)
+    next_actions, next_log_probs = jax.vmap(lambda k: actor.sample(actor_params["policy"], next_obs, k))(keys)
+    next_value = jax.vmap(lambda a: expected_q(critic.apply(critic_params, next_obs, a)[0], cfg))(next_actions)
+    done = jnp.maximum(traj.terminated, traj.truncated)
+    has_next = (1.0 - done) * (jnp.arange(T) < T - 1)[:, None]
+    shift = lambda x: jnp.concatenate([x[1:], x[-1:]])
+    next_log_prob = jnp.where(has_next > 0, shift(traj.log_prob), next_log_probs[0])
+    alpha = jnp.exp(actor_params["log_alpha"])
+    soft_reward = traj.reward - cfg.gamma * alpha * next_log_prob * (1.0 - traj.terminated)
+    target = soft_lambda_return(soft_reward, next_value.mean(0), traj.terminated, traj.truncated, cfg.gamma,
+                                cfg.td_lambda)
+    return Batch(obs, traj.action, traj.reward, target, next_obs, shift(traj.action), has_next)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses: critic (HL-Gauss cross-entropy + self-prediction) and the gated actor loss.
+# ---------------------------------------------------------------------------------------------
 def critic_loss(critic_params, batch: Batch, critic: Critic, cfg: Config):
     """CE(HL-Gauss(G_t), Q(s_t, a_t)) + aux_coef * masked MSE of (next embedding, reward) predictions."""
     logits, z = critic.apply(critic_params, batch.obs, batch.action)
@@ -645,7 +677,7 @@ def critic_loss(critic_params, batch: Batch, critic: Critic, cfg: Config):
     z_pred, r_pred = critic.apply(critic_params, z, method="predict")
     aux = jnp.mean((z_pred - z_next) ** 2, -1) + (r_pred - batch.reward) ** 2
     aux = jnp.sum(aux * batch.aux_mask) / jnp.maximum(batch.aux_mask.sum(), 1.0)
-    q = jnp.sum(jax.nn.softmax(logits) * atoms(cfg), -1)
+    q = expected_q(logits, cfg)
     return cross_entropy + cfg.aux_coef * aux, {"critic_loss": cross_entropy, "aux_loss": aux, "q_mean": q.mean()}
 
 
@@ -661,8 +693,7 @@ def actor_loss(actor_params, old_actor_params, critic_params, batch: Batch, key,
     params = actor_params["policy"]
     alpha, beta = jnp.exp(actor_params["log_alpha"]), jnp.exp(actor_params["log_beta"])
     action, log_prob = actor.sample(params, batch.obs, k_sample)
-    logits, _ = critic.apply(jax.lax.stop_gradient(critic_params), batch.obs, action)
-    q = jnp.sum(jax.nn.softmax(logits) * atoms(cfg), -1)
+    q = expected_q(critic.apply(jax.lax.stop_gradient(critic_params), batch.obs, action)[0], cfg)
     kl = actor.trust_region_kl(old_actor_params, params, batch.obs, k_kl)
     objective = gated_objective(log_prob, q, kl, jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(beta),
                                 cfg.kl_bound).mean()
@@ -700,22 +731,39 @@ def chunk_iterations(cfg: Config) -> int:
     return math.ceil(math.ceil(cfg.total_steps / (cfg.num_envs * cfg.rollout_steps)) / cfg.num_evals)
 
 
+def all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
+NONFINITE_CHECKS = ("observations", "rewards", "critic loss", "actor loss", "critic parameters", "actor parameters")
+
+
+def first_nonfinite(nonfinite: jax.Array, first_iteration) -> dict:
+    """The first iteration of a chunk with a non-finite quantity (-1 if none) and the first such quantity."""
+    bad = nonfinite.any(-1)
+    i = jnp.argmax(bad)
+    return {"nonfinite_iteration": jnp.where(bad.any(), first_iteration + i, -1),
+            "nonfinite_check": jnp.argmax(nonfinite[i])}
+
+
 def make_train(cfg: Config, env: Env):
-    """Returns pure functions init(key) -> TrainState, chunk(TrainState) -> (TrainState, metrics)."""
+    """Returns (init, chunk, iterations per chunk): the pure functions init(key) -> TrainState and
+    chunk(TrainState) -> (TrainState, metrics), and how many iterations one chunk runs."""
     actor = make_actor(cfg, env.obs_size, env.action_size)
     critic = Critic(cfg.critic_hidden, cfg.num_bins)
-    optimizer = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), optax.adam(cfg.learning_rate))
+    clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    optimizer = optax.chain(*clip, optax.adam(cfg.learning_rate))
     T, B = cfg.rollout_steps, cfg.num_envs
     iters_per_chunk = chunk_iterations(cfg)
     reset_block = reset_block_size(B, cfg.episode_length, T)
 
     def init(key):
-        k_actor, k_critic, k_env, k_pool, key = jax.random.split(key, 5)
+        k_actor, k_critic, k_env, k_clock, k_pool, key = jax.random.split(key, 6)
         actor_params = {"policy": actor.init(k_actor), "log_alpha": jnp.log(cfg.ent_start),
                         "log_beta": jnp.log(cfg.kl_start)}
         critic_params = critic.init(k_critic, jnp.zeros((1, env.obs_size)), jnp.zeros((1, env.action_size)),
                                     method="all_heads")
-        env_state = desynchronize(env_reset(env, jax.random.split(k_env, B)), k_env, cfg.episode_length)
+        env_state = desynchronize(env_reset(env, jax.random.split(k_env, B)), k_clock, cfg.episode_length)
         reset_pool = env_reset(env, jax.random.split(k_pool, B))
         return TrainState(actor_params, critic_params, optimizer.init(actor_params), optimizer.init(critic_params),
                           normalizer_init(env.obs_size), env_state, reset_pool, key, jnp.zeros((), jnp.int32))
@@ -739,26 +787,6 @@ def make_train(cfg: Config, env: Env):
         stats = {"episodes": done.sum(), "return_sum": returns.sum(), "physics_resets": blown_up.sum()}
         return env_state, reset_pool, traj, stats
 
-    def q_value(critic_params, obs, action):
-        return jnp.sum(jax.nn.softmax(critic.apply(critic_params, obs, action)[0]) * atoms(cfg), -1)
-
-    def targets(ts: TrainState, traj: Transition, key) -> Batch:
-        """Soft lambda-returns with the pre-update critic; a' is the rollout's next action where it exists."""
-        obs = normalize(ts.norm, traj.obs, cfg.normalize_obs)
-        next_obs = normalize(ts.norm, traj.next_obs, cfg.normalize_obs)
-        keys = jax.random.split(key, cfg.num_action_samples)
-        next_actions, next_log_probs = jax.vmap(lambda k: actor.sample(ts.actor_params["policy"], next_obs, k))(keys)
-        next_value = jax.vmap(lambda a: q_value(ts.critic_params, next_obs, a))(next_actions).mean(0)
-        done = jnp.maximum(traj.terminated, traj.truncated)
-        has_next = (1.0 - done) * (jnp.arange(T) < T - 1)[:, None]
-        shift = lambda x: jnp.concatenate([x[1:], x[-1:]])
-        next_log_prob = jnp.where(has_next > 0, shift(traj.log_prob), next_log_probs[0])
-        alpha = jnp.exp(ts.actor_params["log_alpha"])
-        soft_reward = traj.reward - cfg.gamma * alpha * next_log_prob * (1.0 - traj.terminated)
-        target = soft_lambda_return(soft_reward, next_value, traj.terminated, traj.truncated, cfg.gamma,
-                                    cfg.td_lambda)
-        return Batch(obs, traj.action, traj.reward, target, next_obs, shift(traj.action), has_next)
-
     def update_minibatch(carry, inputs):
         actor_params, critic_params, actor_opt_state, critic_opt_state, old_policy = carry
         batch, key = inputs
@@ -775,7 +803,7 @@ def make_train(cfg: Config, env: Env):
     def iteration(ts: TrainState, _):
         key, k_roll, k_target, k_update = jax.random.split(ts.key, 4)
         env_state, reset_pool, traj, episode_stats = rollout(ts, k_roll)
-        batch = targets(ts, traj, k_target)
+        batch = compute_targets(actor, critic, cfg, ts.actor_params, ts.critic_params, ts.norm, traj, k_target)
         chex.assert_shape([batch.target, batch.aux_mask, batch.reward], (T, B))
         chex.assert_shape(batch.next_action, (T, B, env.action_size))
         flat = jax.tree.map(lambda x: x.reshape((T * B,) + x.shape[2:]), batch)
@@ -818,21 +846,6 @@ def make_train(cfg: Config, env: Env):
         return ts._replace(key=key), metrics
 
     return init, chunk, iters_per_chunk
-
-
-def all_finite(tree) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
-
-
-NONFINITE_CHECKS = ("observations", "rewards", "critic loss", "actor loss", "critic parameters", "actor parameters")
-
-
-def first_nonfinite(nonfinite: jax.Array, first_iteration) -> dict:
-    """The first iteration of a chunk with a non-finite quantity (-1 if none) and the first such quantity."""
-    bad = nonfinite.any(-1)
-    i = jnp.argmax(bad)
-    return {"nonfinite_iteration": jnp.where(bad.any(), first_iteration + i, -1),
-            "nonfinite_check": jnp.argmax(nonfinite[i])}
 
 
 def eval_policy(cfg: Config, env: Env, policy_params, norm: Normalizer) -> Callable:

@@ -85,3 +85,51 @@ def test_over_seeds_maps_the_seed_axis_with_or_without_vmap(algo):
         assert jax.tree.map(jnp.shape, got) == jax.tree.map(jnp.shape, want)
         jax.tree.map(np.testing.assert_allclose, got, want)
     assert vmapped == [False, True, True, True]  # over_seeds(1 seed), vmap(1), over_seeds(3 seeds), vmap(3)
+
+
+TINY = {ppo_jax: dict(policy_hidden=(8,), value_hidden=(8,)),
+        trudi_jax: dict(actor_hidden=(8,), critic_hidden=(8,), num_bins=11, num_diffusion_steps=2)}
+
+
+def tiny_config(algo, **kw):
+    return algo.Config(**TINY[algo], num_envs=4, rollout_steps=2, num_minibatches=1, num_epochs=1, total_steps=8,
+                       num_evals=1, num_eval_envs=2, episode_length=5, **kw)
+
+
+@ALGOS
+def test_clock_offsets_and_initial_states_use_different_keys(algo, monkeypatch):
+    """init draws the environments' initial states and their clock offsets from two keys, not one: with one key,
+    the offsets would be a function of the same random bits as the initial states."""
+    seen = {}
+    env_reset, desynchronize = algo.env_reset, algo.desynchronize
+    monkeypatch.setattr(algo, "env_reset", lambda env, keys: seen.setdefault("reset", []).append(keys)
+                        or env_reset(env, keys))
+    monkeypatch.setattr(algo, "desynchronize", lambda state, key, length: seen.setdefault("clock", key)
+                        is None or desynchronize(state, key, length))
+    cfg = tiny_config(algo)
+    init, _, _ = algo.make_train(cfg, counter_env(algo))
+    init(jax.random.PRNGKey(0))
+    clock_key = seen["clock"]
+    for reset_keys in seen["reset"]:  # the initial states and the reset pool
+        assert not np.array_equal(jax.random.split(clock_key, cfg.num_envs), reset_keys)
+        assert not any(np.array_equal(clock_key, k) for k in reset_keys)
+
+
+@ALGOS
+def test_max_grad_norm_zero_turns_clipping_off_and_still_learns(algo):
+    """--max-grad-norm 0 means no clipping (clipping to norm 0 would make every update zero): one iteration
+    changes the parameters, as it does with clipping on."""
+    for max_grad_norm in (0.0, 0.5):
+        init, chunk, _ = algo.make_train(tiny_config(algo, max_grad_norm=max_grad_norm), counter_env(algo))
+        ts = init(jax.random.PRNGKey(0))
+        before = jax.tree.leaves(algo.policy_of(ts)[0])
+        after = jax.tree.leaves(algo.policy_of(jax.jit(chunk)(ts)[0])[0])
+        changed = [not np.array_equal(a, b) for a, b in zip(before, after)]
+        assert sum(changed) >= len(changed) // 2, (max_grad_norm, changed)
+        assert all(np.isfinite(x).all() for x in after)
+
+
+@ALGOS
+def test_negative_max_grad_norm_is_refused(algo):
+    with pytest.raises(SystemExit, match="max-grad-norm"):
+        algo.validate(tiny_config(algo, max_grad_norm=-1.0))

@@ -786,3 +786,20 @@ def test_run_management_is_the_same_text_in_both_files():
              "NONFINITE_CHECKS", "TrainState", "observation")
     for name in hooks:
         assert hasattr(ppo_jax, name) and hasattr(trudi_jax, name), name
+
+
+ENV_FENCE = "# Environment: Playground / Brax task by name, time limit, auto-reset from a fresh pool."
+
+
+def test_environment_layer_and_normaliser_are_the_same_text_in_both_files():
+    """The environment section and the observation normaliser (from the environment header to the networks
+    header) are one text in both files, so the two copies cannot drift; each file still stands alone."""
+    texts = {}
+    for algo in (ppo_jax, trudi_jax):
+        source = inspect.getsource(algo)
+        assert source.count(ENV_FENCE) == 1 and source.count("\n# Networks:") == 1
+        texts[algo] = source[source.index(ENV_FENCE):source.index("\n# Networks:")]
+    assert texts[ppo_jax] == texts[trudi_jax]
+    for name in ("make_env", "env_step", "env_reset", "desynchronize", "refresh_pool", "normalizer_update",
+                 "normalize", "observation"):
+        assert inspect.getsource(getattr(trudi_jax, name)) in texts[trudi_jax], name

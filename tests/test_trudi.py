@@ -234,6 +234,132 @@ def test_actor_loss_gradient_reaches_control_net_friction_and_duals():
 
 
 # ---------------------------------------------------------------------------------------------
+# Review: the tanh-Gaussian density, the direction of both KLs, the duals, the targets by hand.
+# ---------------------------------------------------------------------------------------------
+def test_tanh_gaussian_log_prob_is_the_change_of_variables_density():
+    """REPPO's actor: log pi(a|s) = log N(u; mu, sigma^2) - sum_d log(1 - tanh(u)^2), a = tanh(u), against an
+    independent float64 density of the sampled actions (scipy, u recovered as artanh(a))."""
+    cfg = small_config(actor="gaussian")
+    actor = T.make_gaussian_actor(cfg, OBS, ACT)
+    params = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
+    obs = jax.random.normal(jax.random.PRNGKey(2), (256, OBS))
+    action, log_prob = actor.sample(params, obs, jax.random.PRNGKey(3))
+    mean, log_std = (np.asarray(x, np.float64) for x in T.GaussianActor(cfg.actor_hidden, ACT).apply(params, obs))
+    a = np.asarray(action, np.float64)
+    keep = np.all(np.abs(a) < 0.99, -1)  # artanh is ill-conditioned in float32 near +-1
+    assert keep.mean() > 0.5
+    u = np.arctanh(a)
+    exact = (stats.norm.logpdf(u, mean, np.exp(log_std)) - np.log(1 - a**2)).sum(-1)
+    np.testing.assert_allclose(np.asarray(log_prob)[keep], exact[keep], rtol=1e-3, atol=1e-3)
+    # the density of a 1-d tanh-Gaussian of these parameters integrates to one over (-1, 1)
+    grid = np.linspace(-1 + 1e-7, 1 - 1e-7, 400_001)
+    density = stats.norm.pdf(np.arctanh(grid), mean[0, 0], np.exp(log_std[0, 0])) / (1 - grid**2)
+    np.testing.assert_allclose(np.trapezoid(density, grid), 1.0, atol=2e-3)
+
+
+def monte_carlo_kl(log_p, log_q, samples):
+    """E_{x ~ p}[log p(x) - log q(x)] over samples drawn from p."""
+    return np.mean(log_p(samples) - log_q(samples), 0)
+
+
+def test_trust_region_kl_is_old_to_new_for_both_actors():
+    """c(s) = KL(pi_old || pi_new): the expectation is under the OLD policy. Checked against Monte Carlo
+    estimates of both directions, with old and new variances different enough that the directions differ."""
+    # Gaussian actor: closed form on the pre-tanh variable u.
+    cfg = small_config(actor="gaussian")
+    actor = T.make_gaussian_actor(cfg, OBS, ACT)
+    old = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
+    new = perturbed(old, jax.random.PRNGKey(2), 0.3)
+    obs = jax.random.normal(jax.random.PRNGKey(3), (4, OBS))
+    net = T.GaussianActor(cfg.actor_hidden, ACT)
+    (m0, ls0), (m1, ls1) = [(np.asarray(m, np.float64), np.asarray(ls, np.float64)) for m, ls in
+                            (net.apply(old, obs), net.apply(new, obs))]
+    rng = np.random.default_rng(0)
+    log_old = lambda u: stats.norm.logpdf(u, m0, np.exp(ls0)).sum(-1)
+    log_new = lambda u: stats.norm.logpdf(u, m1, np.exp(ls1)).sum(-1)
+    forward = monte_carlo_kl(log_old, log_new, rng.normal(m0, np.exp(ls0), (200_000,) + m0.shape))
+    reverse = monte_carlo_kl(log_new, log_old, rng.normal(m1, np.exp(ls1), (200_000,) + m1.shape))
+    assert np.all(np.abs(forward - reverse) > 0.1 * forward)  # the two directions are told apart
+    np.testing.assert_allclose(actor.trust_region_kl(old, new, obs, None), forward, rtol=0.03)
+    # Diffusion actor, one denoising step: x0 from the prior, x1 ~ F(.|x0); old and new differ in friction
+    # (variance) and control (mean). KL of the joint law of (x0, x1) = E_{x0} KL(F_old(.|x0) || F_new(.|x0)).
+    cfg = small_config(num_diffusion_steps=1, num_old_chains=20_000)
+    actor = T.make_diffusion_actor(cfg, OBS, ACT)
+    old = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1), 0.2)
+    new = dict(perturbed(old, jax.random.PRNGKey(2), 0.2), friction=old["friction"] + 1.0)
+    obs = jax.random.normal(jax.random.PRNGKey(3), (1, OBS))
+    c = float(actor.trust_region_kl(old, new, obs, jax.random.PRNGKey(4))[0])
+    net = T.ControlNet(cfg.actor_hidden, ACT, cfg.control_clip)
+    dt, emb = T.time_steps(1, cfg.total_time, cfg.schedule), T.step_embedding(1)
+
+    def kernel(params, x0):
+        eta = dt[0] / jax.nn.softplus(params["friction"])
+        u = net.apply(params["control"], x0, jnp.broadcast_to(obs, (x0.shape[0], OBS)),
+                      jnp.broadcast_to(emb[0], (x0.shape[0], emb.shape[-1])))
+        return np.asarray(T.kernel_mean(x0, u, eta, cfg.prior_std), np.float64), np.asarray(2 * eta, np.float64)
+
+    x0 = cfg.prior_std * jax.random.normal(jax.random.PRNGKey(5), (100_000, ACT))
+    (mo, vo), (mn, vn) = kernel(old, x0), kernel(new, x0)
+    log_f = lambda m, v: (lambda x: stats.norm.logpdf(x, m, np.sqrt(v)).sum(-1))
+    forward = monte_carlo_kl(log_f(mo, vo), log_f(mn, vn), rng.normal(mo, np.sqrt(vo))[None]).mean()
+    reverse = monte_carlo_kl(log_f(mn, vn), log_f(mo, vo), rng.normal(mn, np.sqrt(vn))[None]).mean()
+    assert abs(forward - reverse) > 0.1 * forward
+    np.testing.assert_allclose(c, forward, rtol=0.03)
+
+
+@pytest.mark.parametrize("entropy_above_target", [True, False])
+@pytest.mark.parametrize("kl_above_bound", [True, False])
+def test_duals_move_towards_their_targets(entropy_above_target, kl_above_bound):
+    """One gradient-descent step on the actor loss lowers alpha when the entropy -log pi is above its target
+    (and raises it below), and raises beta when the mean KL is above epsilon (and lowers it below)."""
+    cfg = small_config(actor="gaussian", ent_target_mult=50.0 if entropy_above_target else -50.0, kl_bound=0.1)
+    actor, critic = T.make_gaussian_actor(cfg, OBS, ACT), T.Critic(cfg.critic_hidden, cfg.num_bins)
+    policy = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1), 0.1)
+    old = perturbed(policy, jax.random.PRNGKey(5), 1.0) if kl_above_bound else policy
+    params = {"policy": policy, "log_alpha": jnp.log(0.1), "log_beta": jnp.log(0.1)}
+    critic_params = critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
+    obs = jax.random.normal(jax.random.PRNGKey(3), (64, OBS))
+    batch = T.Batch(obs, jnp.zeros((64, ACT)), jnp.zeros(64), jnp.zeros(64), obs, jnp.zeros((64, ACT)), jnp.ones(64))
+    grads, metrics = jax.grad(T.actor_loss, has_aux=True)(params, old, critic_params, batch, jax.random.PRNGKey(4),
+                                                          actor, critic, cfg, ACT)
+    entropy_target = -cfg.ent_target_mult * ACT
+    assert (metrics["entropy"] > entropy_target) == entropy_above_target
+    assert (metrics["kl"] > cfg.kl_bound) == kl_above_bound
+    stepped = {k: params[k] - 0.1 * grads[k] for k in ("log_alpha", "log_beta")}
+    assert (stepped["log_alpha"] < params["log_alpha"]) == entropy_above_target
+    assert (stepped["log_beta"] > params["log_beta"]) == kl_above_bound
+    np.testing.assert_allclose(grads["log_alpha"], 0.1 * (metrics["entropy"] - entropy_target), rtol=1e-5)
+    np.testing.assert_allclose(grads["log_beta"], -0.1 * (metrics["kl"] - cfg.kl_bound), rtol=1e-5)
+
+
+def test_targets_on_a_hand_computed_three_step_rollout():
+    """One environment, T = 3: t = 0 goes on, t = 1 is truncated (time limit), t = 2 terminates. With
+    gamma 0.9, lambda 0.5, alpha 0.5, rewards (1, 2, 4), behaviour log-probs (-1, -1.5, -0.5), fresh samples'
+    log-prob -2 and V(s'_t) = (3, 5, 7):
+      r~_0 = 1 - 0.9 * 0.5 * (-1.5) = 1.675   (a'_0 = a_1: the rollout's next action)
+      r~_1 = 2 - 0.9 * 0.5 * (-2)   = 2.9     (truncated: a fresh action at the true final observation)
+      r~_2 = 4                                (terminated: no next action, no entropy term)
+      G_2 = 4;  G_1 = 2.9 + 0.9 * 5 = 7.4;  G_0 = 1.675 + 0.9 * (0.5 * 7.4 + 0.5 * 3) = 6.355."""
+    import types
+    cfg = T.Config(vmin=0.0, vmax=10.0, num_bins=11, gamma=0.9, td_lambda=0.5, normalize_obs=False,
+                   num_action_samples=2)
+    fresh = T.Actor(None, lambda params, obs, key: (jnp.zeros(obs.shape[:-1] + (1,)), jnp.full(obs.shape[:-1], -2.0)),
+                    None, None)
+    # Q(s, a) = the atom indexed by s[0]: a categorical critic with all its mass on one atom
+    one_atom = types.SimpleNamespace(apply=lambda params, obs, action: (
+        jnp.where(jnp.arange(11) == obs[..., :1], 0.0, -1e4), None))
+    col = lambda *v: jnp.array(v, jnp.float32)[:, None]
+    traj = T.Transition(obs=jnp.zeros((3, 1, 1)), action=jnp.array([0.1, 0.2, 0.3])[:, None, None],
+                        log_prob=col(-1.0, -1.5, -0.5), reward=col(1.0, 2.0, 4.0), terminated=col(0.0, 0.0, 1.0),
+                        truncated=col(0.0, 1.0, 0.0), next_obs=jnp.array([3.0, 5.0, 7.0])[:, None, None])
+    batch = T.compute_targets(fresh, one_atom, cfg, {"policy": None, "log_alpha": jnp.log(0.5)}, None,
+                              T.normalizer_init(1), traj, jax.random.PRNGKey(0))
+    np.testing.assert_allclose(batch.target[:, 0], [6.355, 7.4, 4.0], rtol=1e-5)
+    np.testing.assert_array_equal(batch.aux_mask[:, 0], [1.0, 0.0, 0.0])  # (s_{t+1}, a_{t+1}) only at t = 0
+    np.testing.assert_allclose(batch.next_action[0, 0], [0.2])
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI: bad input is rejected with one line and a non-zero exit, before anything compiles.
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,needle", [
