@@ -33,6 +33,7 @@ import contextlib
 import csv
 import dataclasses
 import difflib
+import functools
 import hashlib
 import importlib.util
 import io
@@ -448,101 +449,131 @@ def first_nonfinite(nonfinite: jax.Array, first_iteration) -> dict:
             "nonfinite_check": jnp.argmax(nonfinite[i])}
 
 
+class Learner(NamedTuple):
+    """The static pieces of training, built once from the config: what every training function below needs."""
+    cfg: Config
+    env: Env
+    policy: Policy
+    value_net: MLP
+    optimizer: optax.GradientTransformation
+
+
+def make_learner(cfg: Config, env: Env) -> Learner:
+    clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    return Learner(cfg, env, Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std), MLP(cfg.value_hidden, 1),
+                   optax.chain(*clip, optax.adam(cfg.learning_rate)))
+
+
+def init_train_state(lr: Learner, key) -> TrainState:
+    """Parameters, optimiser state, normaliser, environments (clocks desynchronised) and reset pool."""
+    cfg, env = lr.cfg, lr.env
+    k_pi, k_v, k_env, k_clock, k_pool, key = jax.random.split(key, 6)
+    dummy = jnp.zeros((1, env.obs_size))
+    params = {"policy": lr.policy.init(k_pi, dummy), "value": lr.value_net.init(k_v, dummy)}
+    env_state = desynchronize(env_reset(env, jax.random.split(k_env, cfg.num_envs)), k_clock, cfg.episode_length)
+    reset_pool = env_reset(env, jax.random.split(k_pool, cfg.num_envs))
+    return TrainState(params, lr.optimizer.init(params), normalizer_init(env.obs_size), env_state, reset_pool,
+                      key, jnp.zeros((), jnp.int32))
+
+
+def collect_rollout(lr: Learner, ts: TrainState, key):
+    """rollout_steps steps of every environment with the current policy.
+    Returns (env state, reset pool, transitions [T, B], episode metrics)."""
+    cfg, env = lr.cfg, lr.env
+    k_pool, k_steps = jax.random.split(key)
+    block = reset_block_size(cfg.num_envs, cfg.episode_length, cfg.rollout_steps)
+    reset_pool = refresh_pool(env, ts.reset_pool, k_pool, ts.iteration, block)
+
+    def step(env_state, k):
+        obs = observation(env_state.sim)
+        mean, log_std = lr.policy.apply(ts.params["policy"], normalize(ts.norm, obs, cfg.normalize_obs))
+        u = mean + jnp.exp(log_std) * jax.random.normal(k, mean.shape)
+        env_state, out = env_step(env, env_state, jnp.tanh(u), reset_pool, cfg.episode_length)
+        tr = Transition(obs, u, gaussian_log_prob(u, mean, log_std), out.reward * cfg.reward_scale, out.terminated,
+                        out.truncated, out.final_obs)
+        done = jnp.maximum(out.terminated, out.truncated)
+        reported = done * jnp.isfinite(out.episode_return)
+        return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0), out.blown_up)
+
+    env_state, (traj, done, returns, blown_up) = jax.lax.scan(step, ts.env_state,
+                                                              jax.random.split(k_steps, cfg.rollout_steps))
+    metrics = {"episodes": done.sum(), "return_sum": returns.sum(), "physics_resets": blown_up.sum()}
+    return env_state, reset_pool, traj, metrics
+
+
+def compute_targets(lr: Learner, params, norm: Normalizer, traj: Transition) -> Batch:
+    """Normalised observations, GAE advantages and value targets of a rollout, with the pre-update value net."""
+    cfg = lr.cfg
+    obs = normalize(norm, traj.obs, cfg.normalize_obs)
+    value = lr.value_net.apply(params["value"], obs)[..., 0]
+    next_value = lr.value_net.apply(params["value"], normalize(norm, traj.next_obs, cfg.normalize_obs))[..., 0]
+    advantage, target = gae(traj.reward, value, next_value, traj.terminated, traj.truncated, cfg.gamma,
+                            cfg.gae_lambda)
+    chex.assert_shape([advantage, target, traj.log_prob], (cfg.rollout_steps, cfg.num_envs))
+    return Batch(obs, traj.u, traj.log_prob, advantage, target)
+
+
+def update_minibatch(lr: Learner, carry, batch: Batch):
+    """One Adam step on the PPO loss of a minibatch."""
+    params, opt_state = carry
+    grads, metrics = jax.grad(ppo_loss, has_aux=True)(params, batch, lr.policy, lr.value_net, lr.cfg)
+    updates, opt_state = lr.optimizer.update(grads, opt_state, params)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return (optax.apply_updates(params, updates), opt_state), metrics
+
+
+def update_epochs(lr: Learner, carry, batch: Batch, key):
+    """num_epochs passes over the flattened batch, each reshuffled into num_minibatches minibatches."""
+    cfg = lr.cfg
+    size = cfg.num_envs * cfg.rollout_steps
+    flat = jax.tree.map(lambda x: x.reshape((size,) + x.shape[2:]), batch)
+
+    def epoch(carry, k):
+        order = jax.random.permutation(k, size)  # one permutation for every field
+        shuffled = jax.tree.map(lambda x: x[order].reshape((cfg.num_minibatches, -1) + x.shape[1:]), flat)
+        return jax.lax.scan(functools.partial(update_minibatch, lr), carry, shuffled)
+
+    carry, metrics = jax.lax.scan(epoch, carry, jax.random.split(key, cfg.num_epochs))
+    return carry, jax.tree.map(jnp.mean, metrics)
+
+
+def train_iteration(lr: Learner, ts: TrainState, _=None) -> tuple[TrainState, dict]:
+    """rollout -> GAE -> epochs x minibatches -> normaliser update."""
+    cfg = lr.cfg
+    key, k_roll, k_perm = jax.random.split(ts.key, 3)
+    env_state, reset_pool, traj, rollout_metrics = collect_rollout(lr, ts, k_roll)
+    batch = compute_targets(lr, ts.params, ts.norm, traj)
+    (params, opt_state), metrics = update_epochs(lr, (ts.params, ts.opt_state), batch, k_perm)
+    norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
+    metrics["nonfinite"] = ~jnp.stack([  # in the order of NONFINITE_CHECKS
+        all_finite((traj.obs, traj.next_obs)), all_finite(traj.reward),
+        jnp.isfinite(metrics["policy_loss"] + metrics["value_loss"]), all_finite(params)])
+    return TrainState(params, opt_state, norm, env_state, reset_pool, key, ts.iteration + 1), metrics | rollout_metrics
+
+
+def train_chunk(lr: Learner, ts: TrainState) -> tuple[TrainState, dict]:
+    """The iterations between two log points, then an evaluation; metrics summarised over the chunk."""
+    cfg = lr.cfg
+    first_iteration = ts.iteration
+    ts, metrics = jax.lax.scan(functools.partial(train_iteration, lr), ts, None, length=chunk_iterations(cfg))
+    episodes, return_sum = metrics.pop("episodes").sum(), metrics.pop("return_sum").sum()
+    physics_resets, nonfinite = metrics.pop("physics_resets").sum(), metrics.pop("nonfinite")
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
+    metrics["physics_resets"] = physics_resets
+    metrics.update(first_nonfinite(nonfinite, first_iteration))
+    key, k_eval = jax.random.split(ts.key)
+    act = eval_policy(cfg, lr.env, *policy_of(ts))
+    metrics["eval_return"], metrics["eval_return_std"] = run_episodes(lr.env, act, k_eval, cfg.num_eval_envs,
+                                                                      cfg.episode_length)
+    return ts._replace(key=key), metrics
+
+
 def make_train(cfg: Config, env: Env):
     """Returns (init, chunk, iterations per chunk): the pure functions init(key) -> TrainState and
     chunk(TrainState) -> (TrainState, metrics), and how many iterations one chunk runs."""
-    policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
-    value_net = MLP(cfg.value_hidden, 1)
-    clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    optimizer = optax.chain(*clip, optax.adam(cfg.learning_rate))
-    batch_size = cfg.num_envs * cfg.rollout_steps
-    iters_per_chunk = chunk_iterations(cfg)
-    reset_block = reset_block_size(cfg.num_envs, cfg.episode_length, cfg.rollout_steps)
-
-    def init(key):
-        k_pi, k_v, k_env, k_clock, k_pool, key = jax.random.split(key, 6)
-        dummy = jnp.zeros((1, env.obs_size))
-        params = {"policy": policy.init(k_pi, dummy), "value": value_net.init(k_v, dummy)}
-        env_state = desynchronize(env_reset(env, jax.random.split(k_env, cfg.num_envs)), k_clock, cfg.episode_length)
-        reset_pool = env_reset(env, jax.random.split(k_pool, cfg.num_envs))
-        return TrainState(params, optimizer.init(params), normalizer_init(env.obs_size), env_state, reset_pool,
-                          key, jnp.zeros((), jnp.int32))
-
-    def act(params, norm, obs, key):
-        mean, log_std = policy.apply(params["policy"], normalize(norm, obs, cfg.normalize_obs))
-        u = mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
-        return u, gaussian_log_prob(u, mean, log_std)
-
-    def rollout(ts: TrainState, key):
-        k_pool, k_steps = jax.random.split(key)
-        reset_pool = refresh_pool(env, ts.reset_pool, k_pool, ts.iteration, reset_block)
-
-        def step(env_state, k):
-            obs = observation(env_state.sim)
-            u, log_prob = act(ts.params, ts.norm, obs, k)
-            env_state, out = env_step(env, env_state, jnp.tanh(u), reset_pool, cfg.episode_length)
-            tr = Transition(obs, u, log_prob, out.reward * cfg.reward_scale, out.terminated, out.truncated,
-                            out.final_obs)
-            done = jnp.maximum(out.terminated, out.truncated)
-            reported = done * jnp.isfinite(out.episode_return)
-            return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0), out.blown_up)
-
-        env_state, (traj, done, returns, blown_up) = jax.lax.scan(step, ts.env_state,
-                                                                  jax.random.split(k_steps, cfg.rollout_steps))
-        stats = {"episodes": done.sum(), "return_sum": returns.sum(), "physics_resets": blown_up.sum()}
-        return env_state, reset_pool, traj, stats
-
-    def update_minibatch(carry, batch: Batch):
-        params, opt_state = carry
-        grads, metrics = jax.grad(ppo_loss, has_aux=True)(params, batch, policy, value_net, cfg)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        return (optax.apply_updates(params, updates), opt_state), metrics
-
-    def iteration(ts: TrainState, _):
-        key, k_roll, k_perm = jax.random.split(ts.key, 3)
-        env_state, reset_pool, traj, episode_stats = rollout(ts, k_roll)
-        obs = normalize(ts.norm, traj.obs, cfg.normalize_obs)
-        next_obs = normalize(ts.norm, traj.next_obs, cfg.normalize_obs)
-        value = value_net.apply(ts.params["value"], obs)[..., 0]
-        next_value = value_net.apply(ts.params["value"], next_obs)[..., 0]
-        advantage, target = gae(traj.reward, value, next_value, traj.terminated, traj.truncated,
-                                cfg.gamma, cfg.gae_lambda)
-        chex.assert_shape([advantage, target, traj.log_prob], (cfg.rollout_steps, cfg.num_envs))
-        flat = jax.tree.map(lambda x: x.reshape((batch_size,) + x.shape[2:]),
-                            Batch(obs, traj.u, traj.log_prob, advantage, target))
-
-        def epoch(carry, k):
-            order = jax.random.permutation(k, batch_size)  # one permutation for every field
-            shuffled = jax.tree.map(lambda x: x[order].reshape((cfg.num_minibatches, -1) + x.shape[1:]), flat)
-            return jax.lax.scan(update_minibatch, carry, shuffled)
-
-        (params, opt_state), metrics = jax.lax.scan(epoch, (ts.params, ts.opt_state),
-                                                    jax.random.split(k_perm, cfg.num_epochs))
-        metrics = jax.tree.map(jnp.mean, metrics)
-        norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
-        metrics.update(episode_stats)
-        metrics["nonfinite"] = ~jnp.stack([  # in the order of NONFINITE_CHECKS
-            all_finite((traj.obs, traj.next_obs)), all_finite(traj.reward),
-            jnp.isfinite(metrics["policy_loss"] + metrics["value_loss"]), all_finite(params)])
-        return TrainState(params, opt_state, norm, env_state, reset_pool, key, ts.iteration + 1), metrics
-
-    def chunk(ts: TrainState):
-        first_iteration = ts.iteration
-        ts, metrics = jax.lax.scan(iteration, ts, None, length=iters_per_chunk)
-        episodes, return_sum = metrics.pop("episodes").sum(), metrics.pop("return_sum").sum()
-        physics_resets, nonfinite = metrics.pop("physics_resets").sum(), metrics.pop("nonfinite")
-        metrics = jax.tree.map(jnp.mean, metrics)
-        metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
-        metrics["physics_resets"] = physics_resets
-        metrics.update(first_nonfinite(nonfinite, first_iteration))
-        key, k_eval = jax.random.split(ts.key)
-        act = eval_policy(cfg, env, *policy_of(ts))
-        metrics["eval_return"], metrics["eval_return_std"] = run_episodes(env, act, k_eval, cfg.num_eval_envs,
-                                                                          cfg.episode_length)
-        return ts._replace(key=key), metrics
-
-    return init, chunk, iters_per_chunk
+    lr = make_learner(cfg, env)
+    return functools.partial(init_train_state, lr), functools.partial(train_chunk, lr), chunk_iterations(cfg)
 
 
 def eval_policy(cfg: Config, env: Env, params, norm: Normalizer) -> Callable:

@@ -37,6 +37,7 @@ import contextlib
 import csv
 import dataclasses
 import difflib
+import functools
 import hashlib
 import importlib.util
 import io
@@ -105,6 +106,8 @@ class Config:
     vmin: float = 0.0  # support of Q
     vmax: float = 150.0  # returns (after --reward-scale) beyond [vmin, vmax] are clipped in the HL-Gauss targets
     hl_gauss_std: float = 0.75  # HL-Gauss target std, in bin widths
+    critic_start: float | None = 0.0  # Q starts near this value (REPPO's pessimistic start); None: mid-support
+    critic_linear_embedding: bool = False  # EXPERIMENT
     aux_coef: float = 1.0  # weight of the self-predictive auxiliary loss
     num_action_samples: int = 2  # M: actions averaged for V(s') in the targets
     # networks
@@ -350,17 +353,21 @@ def normalize(norm: Normalizer, x: jax.Array, enabled: bool = True) -> jax.Array
 # Networks: control net u_theta(x, s, n), Gaussian actor (REPPO), distributional critic.
 # ---------------------------------------------------------------------------------------------
 class LayerNormMLP(nn.Module):
-    """Dense -> LayerNorm -> swish per hidden layer, then a linear output (zero-initialised if asked)."""
+    """Dense -> LayerNorm -> swish per hidden layer, then a linear output (zero-initialised if asked, its bias
+    starting at out_bias); out None: no output layer (the last hidden layer's activations)."""
     hidden: tuple[int, ...]
-    out: int
+    out: int | None
     zero_init_out: bool = False
+    out_bias: Callable = nn.initializers.zeros
 
     @nn.compact
     def __call__(self, x):
         for width in self.hidden:
             x = nn.swish(nn.LayerNorm()(nn.Dense(width)(x)))
+        if self.out is None:
+            return x
         init = nn.initializers.zeros if self.zero_init_out else nn.initializers.lecun_normal()
-        return nn.Dense(self.out, kernel_init=init)(x)
+        return nn.Dense(self.out, kernel_init=init, bias_init=self.out_bias)(x)
 
 
 class ControlNet(nn.Module):
@@ -389,13 +396,22 @@ class GaussianActor(nn.Module):
 
 
 class Critic(nn.Module):
-    """phi(s, a) embedding -> categorical Q logits over the atoms, plus the self-predictive head."""
+    """phi(s, a) embedding (every layer Dense -> LayerNorm -> swish) -> categorical Q logits over the atoms,
+    plus the self-predictive head; each head has one hidden layer of the embedding's width. The Q head's output
+    bias starts at start_logits (zeros: near-uniform, Q starts mid-support)."""
     hidden: tuple[int, ...]
     num_bins: int
+    start_logits: tuple[float, ...] | None = None
+    linear_embedding: bool = False
 
     def setup(self):
-        self.encoder = LayerNormMLP(self.hidden[:-1], self.hidden[-1])
-        self.q_head = LayerNormMLP((self.hidden[-1],), self.num_bins)
+        if self.linear_embedding:
+            self.encoder = LayerNormMLP(self.hidden[:-1], self.hidden[-1])
+        else:
+            self.encoder = LayerNormMLP(self.hidden, None)
+        start = nn.initializers.zeros if self.start_logits is None else (
+            lambda key, shape, dtype=jnp.float32: jnp.asarray(self.start_logits, dtype).reshape(shape))
+        self.q_head = LayerNormMLP((self.hidden[-1],), self.num_bins, out_bias=start)
         self.aux_head = LayerNormMLP((self.hidden[-1],), self.hidden[-1] + 1)
 
     def __call__(self, obs, action):
@@ -721,6 +737,16 @@ class TrainState(NamedTuple):
     iteration: jax.Array
 
 
+def make_critic(cfg: Config) -> Critic:
+    """The critic; with critic_start set, Q starts near that value (REPPO's pessimistic start: the Q head's output
+    bias is 40 HL-Gauss(critic_start), which puts almost all initial mass on the atoms next to it)."""
+    start = None
+    if cfg.critic_start is not None:
+        start = tuple(float(x) for x in 40.0 * hl_gauss(jnp.asarray(cfg.critic_start), cfg.vmin, cfg.vmax,
+                                                         cfg.num_bins, cfg.hl_gauss_std))
+    return Critic(cfg.critic_hidden, cfg.num_bins, start, cfg.critic_linear_embedding)
+
+
 def make_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
     make = make_diffusion_actor if cfg.actor == "diffusion" else make_gaussian_actor
     return make(cfg, obs_size, action_size)
@@ -746,106 +772,145 @@ def first_nonfinite(nonfinite: jax.Array, first_iteration) -> dict:
             "nonfinite_check": jnp.argmax(nonfinite[i])}
 
 
+class Learner(NamedTuple):
+    """The static pieces of training, built once from the config: what every training function below needs."""
+    cfg: Config
+    env: Env
+    actor: Actor
+    critic: Critic
+    optimizer: optax.GradientTransformation
+
+
+def make_learner(cfg: Config, env: Env) -> Learner:
+    clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    return Learner(cfg, env, make_actor(cfg, env.obs_size, env.action_size), make_critic(cfg),
+                   optax.chain(*clip, optax.adam(cfg.learning_rate)))
+
+
+def init_train_state(lr: Learner, key) -> TrainState:
+    """Parameters, optimiser states, duals, normaliser, environments (clocks desynchronised) and reset pool."""
+    cfg, env = lr.cfg, lr.env
+    k_actor, k_critic, k_env, k_clock, k_pool, key = jax.random.split(key, 6)
+    actor_params = {"policy": lr.actor.init(k_actor), "log_alpha": jnp.log(cfg.ent_start),
+                    "log_beta": jnp.log(cfg.kl_start)}
+    critic_params = lr.critic.init(k_critic, jnp.zeros((1, env.obs_size)), jnp.zeros((1, env.action_size)),
+                                   method="all_heads")
+    env_state = desynchronize(env_reset(env, jax.random.split(k_env, cfg.num_envs)), k_clock, cfg.episode_length)
+    reset_pool = env_reset(env, jax.random.split(k_pool, cfg.num_envs))
+    return TrainState(actor_params, critic_params, lr.optimizer.init(actor_params), lr.optimizer.init(critic_params),
+                      normalizer_init(env.obs_size), env_state, reset_pool, key, jnp.zeros((), jnp.int32))
+
+
+def collect_rollout(lr: Learner, ts: TrainState, key):
+    """rollout_steps steps of every environment with the current (= old) policy's stochastic chain.
+    Returns (env state, reset pool, transitions [T, B], episode metrics)."""
+    cfg, env = lr.cfg, lr.env
+    k_pool, k_steps = jax.random.split(key)
+    block = reset_block_size(cfg.num_envs, cfg.episode_length, cfg.rollout_steps)
+    reset_pool = refresh_pool(env, ts.reset_pool, k_pool, ts.iteration, block)
+
+    def step(env_state, k):
+        obs = observation(env_state.sim)
+        action, log_prob = lr.actor.sample(ts.actor_params["policy"], normalize(ts.norm, obs, cfg.normalize_obs), k)
+        action = jnp.clip(action, -0.999, 0.999)
+        env_state, out = env_step(env, env_state, action, reset_pool, cfg.episode_length)
+        done = jnp.maximum(out.terminated, out.truncated)
+        tr = Transition(obs, action, log_prob, out.reward * cfg.reward_scale, out.terminated, out.truncated,
+                        out.final_obs)
+        reported = done * jnp.isfinite(out.episode_return)
+        return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0), out.blown_up)
+
+    env_state, (traj, done, returns, blown_up) = jax.lax.scan(step, ts.env_state,
+                                                              jax.random.split(k_steps, cfg.rollout_steps))
+    metrics = {"episodes": done.sum(), "return_sum": returns.sum(), "physics_resets": blown_up.sum()}
+    return env_state, reset_pool, traj, metrics
+
+
+class Params(NamedTuple):
+    """What the update changes, and the old policy it stays close to."""
+    actor: Any
+    critic: Any
+    actor_opt_state: Any
+    critic_opt_state: Any
+    old_policy: Any  # the policy that collected the batch (fixed during the update)
+
+
+def update_minibatch(lr: Learner, params: Params, inputs) -> tuple[Params, dict]:
+    """One critic step on the critic loss, then one actor step on the gated actor loss (with the new critic)."""
+    batch, key = inputs
+    critic_grads, critic_metrics = jax.grad(critic_loss, has_aux=True)(params.critic, batch, lr.critic, lr.cfg)
+    updates, critic_opt_state = lr.optimizer.update(critic_grads, params.critic_opt_state, params.critic)
+    critic_params = optax.apply_updates(params.critic, updates)
+    actor_grads, actor_metrics = jax.grad(actor_loss, has_aux=True)(
+        params.actor, params.old_policy, critic_params, batch, key, lr.actor, lr.critic, lr.cfg, lr.env.action_size)
+    updates, actor_opt_state = lr.optimizer.update(actor_grads, params.actor_opt_state, params.actor)
+    actor_params = optax.apply_updates(params.actor, updates)
+    return Params(actor_params, critic_params, actor_opt_state, critic_opt_state, params.old_policy), \
+        critic_metrics | actor_metrics
+
+
+def update_epochs(lr: Learner, params: Params, batch: Batch, key) -> tuple[Params, dict]:
+    """num_epochs passes over the flattened batch, each reshuffled into num_minibatches minibatches."""
+    cfg = lr.cfg
+    size = cfg.num_envs * cfg.rollout_steps
+    flat = jax.tree.map(lambda x: x.reshape((size,) + x.shape[2:]), batch)
+
+    def epoch(params, k):
+        k_perm, k_mb = jax.random.split(k)
+        order = jax.random.permutation(k_perm, size)  # one permutation for every field
+        shuffled = jax.tree.map(lambda x: x[order].reshape((cfg.num_minibatches, -1) + x.shape[1:]), flat)
+        return jax.lax.scan(functools.partial(update_minibatch, lr), params,
+                            (shuffled, jax.random.split(k_mb, cfg.num_minibatches)))
+
+    params, metrics = jax.lax.scan(epoch, params, jax.random.split(key, cfg.num_epochs))
+    return params, jax.tree.map(jnp.mean, metrics)
+
+
+def train_iteration(lr: Learner, ts: TrainState, _=None) -> tuple[TrainState, dict]:
+    """rollout -> targets -> epochs x (critic step, actor step) -> normaliser update."""
+    cfg = lr.cfg
+    key, k_roll, k_target, k_update = jax.random.split(ts.key, 4)
+    env_state, reset_pool, traj, rollout_metrics = collect_rollout(lr, ts, k_roll)
+    batch = compute_targets(lr.actor, lr.critic, cfg, ts.actor_params, ts.critic_params, ts.norm, traj, k_target)
+    chex.assert_shape([batch.target, batch.aux_mask, batch.reward], (cfg.rollout_steps, cfg.num_envs))
+    chex.assert_shape(batch.next_action, (cfg.rollout_steps, cfg.num_envs, lr.env.action_size))
+    params = Params(ts.actor_params, ts.critic_params, ts.actor_opt_state, ts.critic_opt_state,
+                    ts.actor_params["policy"])
+    params, metrics = update_epochs(lr, params, batch, k_update)
+    norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
+    metrics["nonfinite"] = ~jnp.stack([  # in the order of NONFINITE_CHECKS
+        all_finite((traj.obs, traj.next_obs)), all_finite(traj.reward),
+        jnp.isfinite(metrics["critic_loss"] + metrics["aux_loss"]), jnp.isfinite(metrics["actor_loss"]),
+        all_finite(params.critic), all_finite(params.actor)])
+    return TrainState(params.actor, params.critic, params.actor_opt_state, params.critic_opt_state, norm, env_state,
+                      reset_pool, key, ts.iteration + 1), metrics | rollout_metrics
+
+
+def train_chunk(lr: Learner, ts: TrainState) -> tuple[TrainState, dict]:
+    """The iterations between two log points, then an evaluation; metrics summarised over the chunk."""
+    cfg = lr.cfg
+    first_iteration = ts.iteration
+    ts, metrics = jax.lax.scan(functools.partial(train_iteration, lr), ts, None, length=chunk_iterations(cfg))
+    episodes, return_sum = metrics.pop("episodes").sum(), metrics.pop("return_sum").sum()
+    physics_resets, nonfinite = metrics.pop("physics_resets").sum(), metrics.pop("nonfinite")
+    kl_per_iteration = metrics["kl"]
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["kl_median"] = jnp.median(kl_per_iteration)
+    metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
+    metrics["physics_resets"] = physics_resets
+    metrics.update(first_nonfinite(nonfinite, first_iteration))
+    key, k_eval = jax.random.split(ts.key)
+    act = eval_policy(cfg, lr.env, *policy_of(ts))
+    metrics["eval_return"], metrics["eval_return_std"] = run_episodes(lr.env, act, k_eval, cfg.num_eval_envs,
+                                                                      cfg.episode_length)
+    return ts._replace(key=key), metrics
+
+
 def make_train(cfg: Config, env: Env):
     """Returns (init, chunk, iterations per chunk): the pure functions init(key) -> TrainState and
     chunk(TrainState) -> (TrainState, metrics), and how many iterations one chunk runs."""
-    actor = make_actor(cfg, env.obs_size, env.action_size)
-    critic = Critic(cfg.critic_hidden, cfg.num_bins)
-    clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    optimizer = optax.chain(*clip, optax.adam(cfg.learning_rate))
-    T, B = cfg.rollout_steps, cfg.num_envs
-    iters_per_chunk = chunk_iterations(cfg)
-    reset_block = reset_block_size(B, cfg.episode_length, T)
-
-    def init(key):
-        k_actor, k_critic, k_env, k_clock, k_pool, key = jax.random.split(key, 6)
-        actor_params = {"policy": actor.init(k_actor), "log_alpha": jnp.log(cfg.ent_start),
-                        "log_beta": jnp.log(cfg.kl_start)}
-        critic_params = critic.init(k_critic, jnp.zeros((1, env.obs_size)), jnp.zeros((1, env.action_size)),
-                                    method="all_heads")
-        env_state = desynchronize(env_reset(env, jax.random.split(k_env, B)), k_clock, cfg.episode_length)
-        reset_pool = env_reset(env, jax.random.split(k_pool, B))
-        return TrainState(actor_params, critic_params, optimizer.init(actor_params), optimizer.init(critic_params),
-                          normalizer_init(env.obs_size), env_state, reset_pool, key, jnp.zeros((), jnp.int32))
-
-    def rollout(ts: TrainState, key):
-        k_pool, k_steps = jax.random.split(key)
-        reset_pool = refresh_pool(env, ts.reset_pool, k_pool, ts.iteration, reset_block)
-
-        def step(env_state, k):
-            obs = observation(env_state.sim)
-            action, log_prob = actor.sample(ts.actor_params["policy"], normalize(ts.norm, obs, cfg.normalize_obs), k)
-            action = jnp.clip(action, -0.999, 0.999)
-            env_state, out = env_step(env, env_state, action, reset_pool, cfg.episode_length)
-            done = jnp.maximum(out.terminated, out.truncated)
-            tr = Transition(obs, action, log_prob, out.reward * cfg.reward_scale, out.terminated, out.truncated,
-                            out.final_obs)
-            reported = done * jnp.isfinite(out.episode_return)
-            return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0), out.blown_up)
-
-        env_state, (traj, done, returns, blown_up) = jax.lax.scan(step, ts.env_state, jax.random.split(k_steps, T))
-        stats = {"episodes": done.sum(), "return_sum": returns.sum(), "physics_resets": blown_up.sum()}
-        return env_state, reset_pool, traj, stats
-
-    def update_minibatch(carry, inputs):
-        actor_params, critic_params, actor_opt_state, critic_opt_state, old_policy = carry
-        batch, key = inputs
-        critic_grads, critic_metrics = jax.grad(critic_loss, has_aux=True)(critic_params, batch, critic, cfg)
-        updates, critic_opt_state = optimizer.update(critic_grads, critic_opt_state, critic_params)
-        critic_params = optax.apply_updates(critic_params, updates)
-        actor_grads, actor_metrics = jax.grad(actor_loss, has_aux=True)(
-            actor_params, old_policy, critic_params, batch, key, actor, critic, cfg, env.action_size)
-        updates, actor_opt_state = optimizer.update(actor_grads, actor_opt_state, actor_params)
-        actor_params = optax.apply_updates(actor_params, updates)
-        return (actor_params, critic_params, actor_opt_state, critic_opt_state, old_policy), \
-            critic_metrics | actor_metrics
-
-    def iteration(ts: TrainState, _):
-        key, k_roll, k_target, k_update = jax.random.split(ts.key, 4)
-        env_state, reset_pool, traj, episode_stats = rollout(ts, k_roll)
-        batch = compute_targets(actor, critic, cfg, ts.actor_params, ts.critic_params, ts.norm, traj, k_target)
-        chex.assert_shape([batch.target, batch.aux_mask, batch.reward], (T, B))
-        chex.assert_shape(batch.next_action, (T, B, env.action_size))
-        flat = jax.tree.map(lambda x: x.reshape((T * B,) + x.shape[2:]), batch)
-
-        def epoch(carry, k):
-            k_perm, k_mb = jax.random.split(k)
-            order = jax.random.permutation(k_perm, T * B)  # one permutation for every field
-            shuffled = jax.tree.map(lambda x: x[order].reshape((cfg.num_minibatches, -1) + x.shape[1:]), flat)
-            return jax.lax.scan(update_minibatch, carry, (shuffled, jax.random.split(k_mb, cfg.num_minibatches)))
-
-        carry = (ts.actor_params, ts.critic_params, ts.actor_opt_state, ts.critic_opt_state,
-                 ts.actor_params["policy"])
-        carry, metrics = jax.lax.scan(epoch, carry, jax.random.split(k_update, cfg.num_epochs))
-        actor_params, critic_params, actor_opt_state, critic_opt_state, _ = carry
-        metrics = jax.tree.map(jnp.mean, metrics)
-        norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
-        metrics.update(episode_stats)
-        metrics["nonfinite"] = ~jnp.stack([  # in the order of NONFINITE_CHECKS
-            all_finite((traj.obs, traj.next_obs)), all_finite(traj.reward),
-            jnp.isfinite(metrics["critic_loss"] + metrics["aux_loss"]), jnp.isfinite(metrics["actor_loss"]),
-            all_finite(critic_params), all_finite(actor_params)])
-        return TrainState(actor_params, critic_params, actor_opt_state, critic_opt_state, norm, env_state,
-                          reset_pool, key, ts.iteration + 1), metrics
-
-    def chunk(ts: TrainState):
-        first_iteration = ts.iteration
-        ts, metrics = jax.lax.scan(iteration, ts, None, length=iters_per_chunk)
-        episodes, return_sum = metrics.pop("episodes").sum(), metrics.pop("return_sum").sum()
-        physics_resets, nonfinite = metrics.pop("physics_resets").sum(), metrics.pop("nonfinite")
-        kl_per_iteration = metrics["kl"]
-        metrics = jax.tree.map(jnp.mean, metrics)
-        metrics["kl_median"] = jnp.median(kl_per_iteration)
-        metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
-        metrics["physics_resets"] = physics_resets
-        metrics.update(first_nonfinite(nonfinite, first_iteration))
-        key, k_eval = jax.random.split(ts.key)
-        act = eval_policy(cfg, env, *policy_of(ts))
-        metrics["eval_return"], metrics["eval_return_std"] = run_episodes(env, act, k_eval, cfg.num_eval_envs,
-                                                                          cfg.episode_length)
-        return ts._replace(key=key), metrics
-
-    return init, chunk, iters_per_chunk
+    lr = make_learner(cfg, env)
+    return functools.partial(init_train_state, lr), functools.partial(train_chunk, lr), chunk_iterations(cfg)
 
 
 def eval_policy(cfg: Config, env: Env, policy_params, norm: Normalizer) -> Callable:

@@ -31,6 +31,7 @@ Add a trainer by adding an entry to RUNNERS: a function (bench, env name) -> Run
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -42,7 +43,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,10 @@ class Bench:
     num_diffusion_steps: int = trudi_jax.Config.num_diffusion_steps  # TruDi's N
     num_old_chains: int = trudi_jax.Config.num_old_chains  # TruDi's K
     paper_networks: bool = False  # TruDi/REPPO/PPO networks (and TruDi's K) of each file's paper preset
+    preset: Literal["bench", "paper"] = "bench"  # paper: every runner at its file's paper preset for the task
+    # (envs, rollout, minibatches, epochs, networks, K, N; Brax PPO at ppo_jax's), the batch flags above ignored
+    flops: bool = True  # count FLOPs per env step with XLA's cost analysis (ppo_jax, trudi, reppo)
+    flops_only: bool = False  # only count FLOPs per env step (no compile of the whole program, no timing)
 
 
 QUICK = Bench(num_envs=128, rollout_steps=32, num_minibatches=8, num_epochs=8, iterations=4, repeats=3, quick=True)
@@ -93,6 +98,9 @@ def parse_bench(argv: list[str]) -> Bench:
 
 def ppo_config(bench: Bench, env_name: str) -> ppo_jax.Config:
     """ppo_jax's config for one block of bench.iterations iterations; Brax reads the same fields."""
+    if bench.preset == "paper":
+        cfg = ppo_jax.preset_config("paper", env_name)
+        return block_config(ppo_jax, cfg, bench.iterations)
     base = ppo_jax.preset_config("paper", env_name) if bench.paper_networks else ppo_jax.Config()
     cfg = dataclasses.replace(base, env=env_name, num_envs=bench.num_envs, rollout_steps=bench.rollout_steps,
                          num_minibatches=bench.num_minibatches, num_epochs=bench.num_epochs,
@@ -104,11 +112,21 @@ def ppo_config(bench: Bench, env_name: str) -> ppo_jax.Config:
     return cfg
 
 
+def block_config(module, cfg, iterations: int):
+    """cfg trimmed to one block of `iterations` iterations as one chunk, with a minimal evaluation."""
+    cfg = dataclasses.replace(cfg, total_steps=iterations * cfg.num_envs * cfg.rollout_steps, num_evals=1,
+                              num_eval_envs=1, plot=False)
+    module.validate(cfg)
+    return cfg
+
+
 class Runner(NamedTuple):
     compile_s: float | None  # measured compile time, or None: estimate it as first_block_s - median block
     first_block_s: float  # the untimed warm-up block (for Brax it also holds the compilation)
     run_block: Callable[[], float]  # runs one block, returns its wall-clock seconds
     close: Callable[[], dict]  # finishes the run; returns extra fields for the results
+    steps_per_block: int  # environment steps of one block
+    extra: dict = {}  # fields measured at setup (FLOP counts, memory), added to the results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,8 +136,78 @@ def ppo_jax_runner(bench: Bench, env_name: str) -> Runner:
     return jitted_runner(ppo_jax, ppo_config(bench, env_name), bench)
 
 
+# ---------------------------------------------------------------------------------------------
+# FLOPs per environment step: XLA's cost analysis of each piece of one iteration.
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def unrolled_scans():
+    """Every jax.lax.scan traced meanwhile is unrolled: XLA's cost analysis counts a loop body once, whatever
+    its trip count (checked: a 10-step scan of a matmul reports the FLOPs of one matmul)."""
+    scan = jax.lax.scan
+    jax.lax.scan = functools.partial(scan, unroll=True)
+    try:
+        yield
+    finally:
+        jax.lax.scan = scan
+
+
+def cost(fn, *args) -> dict:
+    """FLOPs (and bytes) of fn compiled for these (abstract) arguments, with every scan unrolled."""
+    with unrolled_scans():
+        analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    return {"flops": float(analysis.get("flops", 0.0)), "bytes": float(analysis.get("bytes accessed", 0.0))}
+
+
+def flop_count(module, cfg) -> dict:
+    """FLOPs per environment step of one iteration of an algorithm file, from its pieces:
+        T * (policy step + environment step) + reset-pool refresh + targets + epochs * minibatches * update.
+    The policy step, the targets and the update are exact (their scans unrolled); the physics has solver loops
+    (while loops) that the cost analysis counts once, so the environment's share is a lower bound."""
+    env = module.make_env(cfg.env, cfg.backend)
+    lr = module.make_learner(cfg, env)
+    key = jax.random.PRNGKey(0)
+    ts = jax.eval_shape(lambda k: module.init_train_state(lr, k), key)
+    T, B, M = cfg.rollout_steps, cfg.num_envs, cfg.num_minibatches
+    traj = jax.eval_shape(lambda ts, k: module.collect_rollout(lr, ts, k)[2], ts, key)
+    obs = jax.ShapeDtypeStruct((B, env.obs_size), jnp.float32)
+    action = jax.ShapeDtypeStruct((B, env.action_size), jnp.float32)
+    if module is trudi_jax:
+        policy_step = cost(lambda ts, o, k: lr.actor.sample(ts.actor_params["policy"], o, k), ts, obs, key)
+        targets_fn = lambda ts, tr, k: module.compute_targets(lr.actor, lr.critic, cfg, ts.actor_params,
+                                                              ts.critic_params, ts.norm, tr, k)
+        batch = jax.eval_shape(targets_fn, ts, traj, key)
+        targets = cost(targets_fn, ts, traj, key)
+        minibatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((T * B // M,) + x.shape[2:], x.dtype), batch)
+        params = jax.eval_shape(lambda ts: module.Params(ts.actor_params, ts.critic_params, ts.actor_opt_state,
+                                                         ts.critic_opt_state, ts.actor_params["policy"]), ts)
+        update = cost(lambda p, mb, k: module.update_minibatch(lr, p, (mb, k)), params, minibatch, key)
+    else:
+        policy_step = cost(lambda ts, o, k: lr.policy.apply(ts.params["policy"], o), ts, obs, key)
+        targets_fn = lambda ts, tr: module.compute_targets(lr, ts.params, ts.norm, tr)
+        batch = jax.eval_shape(targets_fn, ts, traj)
+        targets = cost(targets_fn, ts, traj)
+        minibatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((T * B // M,) + x.shape[2:], x.dtype), batch)
+        update = cost(lambda ts, mb: module.update_minibatch(lr, (ts.params, ts.opt_state), mb), ts, minibatch)
+    env_step = cost(lambda ts, a: module.env_step(env, ts.env_state, a, ts.reset_pool, cfg.episode_length), ts,
+                    action)
+    block = module.reset_block_size(B, cfg.episode_length, T)
+    refresh = cost(lambda ts, k: module.refresh_pool(env, ts.reset_pool, k, ts.iteration, block), ts, key)
+    pieces = {"policy_step": T * policy_step["flops"], "env_step": T * env_step["flops"],
+              "reset_refresh": refresh["flops"], "targets": targets["flops"],
+              "update": cfg.num_epochs * M * update["flops"]}
+    steps = T * B
+    return {"flops_per_step": sum(pieces.values()) / steps,
+            "flops_per_step_pieces": {k: v / steps for k, v in pieces.items()},
+            "update_minibatch_flops": update["flops"], "policy_step_flops": policy_step["flops"]}
+
+
 def trudi_config(bench: Bench, env_name: str, actor: str) -> trudi_jax.Config:
-    """trudi_jax's cpu-preset (or paper-preset) networks with the bench's batch shape; 'gaussian' is REPPO."""
+    """trudi_jax's cpu-preset (or paper-preset) networks with the bench's batch shape; 'gaussian' is REPPO.
+    With --preset paper: the paper preset as it is."""
+    if bench.preset == "paper":
+        cfg = dataclasses.replace(trudi_jax.preset_config("paper", env_name), actor=actor)
+        return block_config(trudi_jax, cfg, bench.iterations)
     base = trudi_jax.preset_config("paper", env_name) if bench.paper_networks else trudi_jax.Config()
     cfg = dataclasses.replace(base, env=env_name, actor=actor, num_envs=bench.num_envs,
                            rollout_steps=bench.rollout_steps, num_minibatches=bench.num_minibatches,
@@ -154,13 +242,20 @@ def jitted_runner(module, cfg, bench: Bench) -> Runner:
     compiled = jax.jit(module.over_seeds(train_chunk), donate_argnums=0).lower(ts).compile()
     compile_s = time.perf_counter() - start
     state = {"ts": ts}
+    extra = flop_count(module, cfg) if bench.flops else {}
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        extra["peak_memory_bytes"] = int(getattr(memory, "peak_memory_in_bytes", 0) or (
+            memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes))
+    extra["config"] = {k: getattr(cfg, k) for k in ("num_envs", "rollout_steps", "num_minibatches", "num_epochs")}
 
     def run_block() -> float:
         start = time.perf_counter()
         state["ts"], metrics = jax.block_until_ready(compiled(state["ts"]))
         return time.perf_counter() - start
 
-    return Runner(compile_s, run_block(), run_block, lambda: {})
+    return Runner(compile_s, run_block(), run_block, lambda: {}, cfg.num_envs * cfg.rollout_steps * bench.iterations,
+                  extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +336,7 @@ def brax_ppo_runner(bench: Bench, env_name: str) -> Runner:
     start = time.perf_counter()
     thread.start()
     wait()
-    return Runner(None, time.perf_counter() - start, run_block, close)
+    return Runner(None, time.perf_counter() - start, run_block, close, steps_per_block)
 
 
 RUNNERS: dict[str, Callable[[Bench, str], Runner]] = {"ppo_jax": ppo_jax_runner, "brax_ppo": brax_ppo_runner,
@@ -254,7 +349,6 @@ BASELINE = "brax_ppo"  # the ratio column is <runner>_sps / BASELINE_sps
 # ---------------------------------------------------------------------------------------------
 def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print) -> dict:
     """One result row for a task: median steps/s and compile seconds of every runner."""
-    steps_per_block = bench.iterations * bench.num_envs * bench.rollout_steps
     runners = {}
     for name in bench.runners:
         runners[name] = RUNNERS[name](bench, env_name)
@@ -264,17 +358,20 @@ def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print) -> 
         for name, runner in runners.items():
             seconds[name].append(runner.run_block())
         log(f"[{env_name}] round {round_ + 1}/{bench.repeats}: " + ", ".join(
-            f"{name} {steps_per_block / s[-1]:,.0f} steps/s" for name, s in seconds.items()))
+            f"{name} {runners[name].steps_per_block / s[-1]:,.0f} steps/s" for name, s in seconds.items()))
     row = {"env": env_name}
     for name, runner in runners.items():
         block_s = statistics.median(seconds[name])
         compile_s = runner.compile_s if runner.compile_s is not None else runner.first_block_s - block_s
-        row[f"{name}_sps"] = steps_per_block / block_s
+        row[f"{name}_sps"] = runner.steps_per_block / block_s
         row[f"{name}_compile_s"] = compile_s
-        row[f"{name}_sps_rounds"] = [steps_per_block / s for s in seconds[name]]
+        row[f"{name}_sps_rounds"] = [runner.steps_per_block / s for s in seconds[name]]
+        row.update({f"{name}_{key}": value for key, value in runner.extra.items()})
         row.update({f"{name}_{key}": value for key, value in runner.close().items()})
     if "trudi" in runners and "reppo" in runners:
         row["trudi_time_per_step_vs_reppo"] = row["reppo_sps"] / row["trudi_sps"]
+        if "trudi_flops_per_step" in row and "reppo_flops_per_step" in row:
+            row["trudi_flops_per_step_vs_reppo"] = row["trudi_flops_per_step"] / row["reppo_flops_per_step"]
     for name in runners:
         if name != BASELINE and BASELINE in runners:
             row["ratio" if name == "ppo_jax" else f"ratio_{name}"] = row[f"{name}_sps"] / row[f"{BASELINE}_sps"]
@@ -286,6 +383,8 @@ def markdown_table(rows: list[dict]) -> str:
     ratios = {key: f"{key} (vs {BASELINE})" for key in rows[0] if key == "ratio" or key.startswith("ratio_")}
     if "trudi_sps" in rows[0] and "reppo_sps" in rows[0]:
         ratios["trudi_time_per_step_vs_reppo"] = "TruDi time per step / REPPO's"
+    if "trudi_flops_per_step_vs_reppo" in rows[0]:
+        ratios["trudi_flops_per_step_vs_reppo"] = "TruDi FLOPs per step / REPPO's"
     header = (["env"] + [f"{n} steps/s" for n in names] + list(ratios.values())
               + [f"{n} compile s" for n in names])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -296,10 +395,27 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CONFIGS = {"ppo_jax": lambda bench, env: (ppo_jax, ppo_config(bench, env)),
+           "trudi": lambda bench, env: (trudi_jax, trudi_config(bench, env, "diffusion")),
+           "reppo": lambda bench, env: (trudi_jax, trudi_config(bench, env, "gaussian"))}
+
+
+def count_only(bench: Bench, env_name: str, log: Callable[[str], None] = print) -> dict:
+    """--flops-only: FLOPs per environment step of each runner's iteration, nothing run."""
+    row = {"env": env_name}
+    for name in bench.runners:
+        module, cfg = CONFIGS[name](bench, env_name)
+        row.update({f"{name}_{k}": v for k, v in flop_count(module, cfg).items()})
+        log(f"[{env_name}] {name}: {row[f'{name}_flops_per_step']:,.0f} FLOPs per env step")
+    if "trudi" in bench.runners and "reppo" in bench.runners:
+        row["trudi_flops_per_step_vs_reppo"] = row["trudi_flops_per_step"] / row["reppo_flops_per_step"]
+    return row
+
+
 def main(argv: list[str]) -> list[dict]:
     bench = parse_bench(argv)
     import brax
-    context = {"num_envs": bench.num_envs, "rollout_steps": bench.rollout_steps,
+    context = {"preset": bench.preset, "num_envs": bench.num_envs, "rollout_steps": bench.rollout_steps,
                "num_minibatches": bench.num_minibatches, "num_epochs": bench.num_epochs,
                "policy_hidden": list(bench.policy_hidden), "value_hidden": list(bench.value_hidden),
                "iterations_per_block": bench.iterations, "paper_networks": bench.paper_networks,
@@ -308,8 +424,11 @@ def main(argv: list[str]) -> list[dict]:
                "device": f"{jax.devices()[0].device_kind} x{jax.device_count()} ({os.cpu_count()} CPU cores)",
                "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "command": shlex.join(["python", "benchmarks/throughput.py", *argv])}
-    rows = [measure(bench, name) | context for name in bench.envs]
-    print(markdown_table(rows))
+    if bench.flops_only:
+        rows = [count_only(bench, name) | context for name in bench.envs]
+    else:
+        rows = [measure(bench, name) | context for name in bench.envs]
+        print(markdown_table(rows))
     if bench.json:
         with open(bench.json, "w") as f:
             json.dump(rows, f, indent=2)
