@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU check, one NVIDIA H200, about 8 minutes in all (each part has its own time limit, and a part that fails
-# does not stop the next):
-#  1. throughput at the paper presets' true sizes on HumanoidWalk: TruDi (1024 envs x 32 steps, 16 minibatches,
-#     8 epochs, 512-wide networks, N = 8, K = 4), REPPO (the same with the Gaussian actor), ppo_jax and Brax's
-#     PPO (Playground's tuned DM Control settings: 2048 envs x 480 steps, 32 minibatches, 16 epochs), timed
-#     alternately, with each compiled program's peak memory (FLOPs per step are counted on CPU: --no-flops);
-#  2. a short TruDi training run on HumanoidWalk with the paper preset (training steps/s, first evaluations).
+# does not stop the next). Throughput at the paper presets' true sizes on HumanoidWalk, with each compiled
+# program's peak memory (FLOPs per step are counted on CPU: --no-flops here):
+#  1. TruDi (1024 envs x 32 steps, 16 minibatches, 8 epochs, 512-wide networks, N = 8, K = 4) against REPPO (the same
+#     with the Gaussian actor), timed alternately (2026-12-04: 82 s + 78 s compiling, 185 s for the whole part);
+#  2. ppo_jax against Brax's PPO at Playground's tuned DM Control settings (2048 envs x 480 steps, 32 minibatches,
+#     16 epochs: about 1M env steps per iteration).
+# Measured on 2026-12-04: a first version that also timed a 2M-step TruDi training run did not fit: each TruDi
+# program compiles for 80-100 s on the H200, and four runners in one part did not finish in 330 s.
 # Writes into benchmarks/results/gpu/ (or $OUT when set). On a machine whose image lacks brax/mujoco/playground/tyro,
 # run benchmarks/fetch_gpu_wheels.sh first on a machine with PyPI and ship .whl/ alongside; this script installs it.
 set -uo pipefail
@@ -21,15 +23,16 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   python3 -c "import jax, brax, mujoco; print('jax', jax.__version__, jax.devices(), 'brax', brax.__version__, 'mujoco', mujoco.__version__)"
   date -u +%FT%TZ; } 2>&1 | tee "$dest/machine.txt"
-part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $dest/NAME.log, report the exit status
+part() {  # part NAME SECONDS COMMAND...: run with a time limit, log with times to $dest/NAME.log, report the exit status
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$dest/$name.log"
+  timeout "$limit" "$@" 2>&1 | while IFS= read -r line; do echo "$(date +%T) $line"; done | tee "$dest/$name.log"
   echo "[gpu_check] $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$dest/machine.txt"
 }
-part throughput_paper_HumanoidWalk 330 python3 benchmarks/throughput.py --preset paper --envs HumanoidWalk \
-  --runners trudi reppo ppo_jax brax_ppo --iterations 2 --repeats 3 --no-flops \
-  --json "$dest/throughput_paper_HumanoidWalk.json"
-part trudi_HumanoidWalk_short 120 python3 trudi_jax.py --env HumanoidWalk --preset paper --total-steps 3000000 \
-  --num-evals 3 --num-eval-envs 128 --out-dir "$dest/trudi_HumanoidWalk_short" --overwrite --no-plot
+part throughput_paper_HumanoidWalk_trudi_reppo 220 python3 benchmarks/throughput.py --preset paper \
+  --envs HumanoidWalk --runners trudi reppo --iterations 1 --repeats 2 --no-flops \
+  --json "$dest/throughput_paper_HumanoidWalk_trudi_reppo.json"
+part throughput_paper_HumanoidWalk_ppo_brax 240 python3 benchmarks/throughput.py --preset paper \
+  --envs HumanoidWalk --runners ppo_jax brax_ppo --iterations 1 --repeats 2 --no-flops \
+  --json "$dest/throughput_paper_HumanoidWalk_ppo_brax.json"
 exit 0

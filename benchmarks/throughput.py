@@ -3,6 +3,16 @@
     python benchmarks/throughput.py --quick                          # both default tasks, ~15 min on 2 CPU cores
     python benchmarks/throughput.py --envs CheetahRun --num-envs 2048 --repeats 5 --json throughput.json
     python benchmarks/throughput.py --quick --envs CartpoleBalance --runners trudi reppo --num-diffusion-steps 8
+    python benchmarks/throughput.py --preset paper --envs HumanoidWalk --runners trudi reppo --iterations 1
+    python benchmarks/throughput.py --preset paper --envs CartpoleBalance HumanoidWalk --runners trudi reppo ppo_jax \
+        --flops-only                                                 # FLOPs per env step only, nothing run
+
+`--preset paper` runs every trainer at its own file's paper preset for the task (TruDi/REPPO: 1024 envs x 32 steps,
+16 minibatches, 8 epochs, 512-wide networks, N = 8, K = 4; ppo_jax and Brax's PPO: Playground's tuned settings),
+so the steps/s compare the programs users run; the batch-shape flags then do not apply.
+FLOPs per environment step (`<runner>_flops_per_step`, per piece in `<runner>_flops_per_step_pieces`) come from
+XLA's cost analysis of each piece of one iteration compiled alone with its scans unrolled (the analysis counts a
+loop body once): T * (policy step + environment step) + reset-pool refresh + targets + epochs * minibatches * update.
 
 Every runner compiles once (compile time is reported on its own, never mixed into steps/s) and runs one
 untimed warm-up block; then the runners are timed alternately, one block each per round
@@ -415,15 +425,17 @@ def count_only(bench: Bench, env_name: str, log: Callable[[str], None] = print) 
 def main(argv: list[str]) -> list[dict]:
     bench = parse_bench(argv)
     import brax
-    context = {"preset": bench.preset, "num_envs": bench.num_envs, "rollout_steps": bench.rollout_steps,
-               "num_minibatches": bench.num_minibatches, "num_epochs": bench.num_epochs,
-               "policy_hidden": list(bench.policy_hidden), "value_hidden": list(bench.value_hidden),
-               "iterations_per_block": bench.iterations, "paper_networks": bench.paper_networks,
-               "steps_per_block": bench.iterations * bench.num_envs * bench.rollout_steps,
-               "repeats": bench.repeats, "jax": jax.__version__, "brax": brax.__version__,
+    context = {"preset": bench.preset, "iterations_per_block": bench.iterations, "repeats": bench.repeats,
+               "jax": jax.__version__, "brax": brax.__version__,
                "device": f"{jax.devices()[0].device_kind} x{jax.device_count()} ({os.cpu_count()} CPU cores)",
                "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "command": shlex.join(["python", "benchmarks/throughput.py", *argv])}
+    if bench.preset == "bench":  # the shared batch shape (with --preset paper each runner's own: <runner>_config)
+        context |= {"num_envs": bench.num_envs, "rollout_steps": bench.rollout_steps,
+                    "num_minibatches": bench.num_minibatches, "num_epochs": bench.num_epochs,
+                    "policy_hidden": list(bench.policy_hidden), "value_hidden": list(bench.value_hidden),
+                    "paper_networks": bench.paper_networks,
+                    "steps_per_block": bench.iterations * bench.num_envs * bench.rollout_steps}
     if bench.flops_only:
         rows = [count_only(bench, name) | context for name in bench.envs]
     else:
