@@ -74,7 +74,7 @@ class Config:
     actor: Literal["diffusion", "gaussian"] = "diffusion"  # gaussian: tanh-Gaussian actor (= REPPO)
     seed: int = 0  # master seed; seed i of --num-seeds uses fold_in(seed, i)
     num_seeds: int = 1  # independent seeds trained in one compiled program (vmapped when more than one)
-    total_steps: int = 800_000  # environment steps per seed
+    total_steps: int = 1_200_000  # environment steps per seed
     num_envs: int = 64  # parallel environments
     rollout_steps: int = 32  # steps per environment per iteration
     num_minibatches: int = 8  # minibatches per epoch
@@ -107,12 +107,11 @@ class Config:
     vmax: float = 150.0  # returns (after --reward-scale) beyond [vmin, vmax] are clipped in the HL-Gauss targets
     hl_gauss_std: float = 0.75  # HL-Gauss target std, in bin widths
     critic_start: float | None = 0.0  # Q starts near this value (REPPO's pessimistic start); None: mid-support
-    critic_linear_embedding: bool = False  # EXPERIMENT
     aux_coef: float = 1.0  # weight of the self-predictive auxiliary loss
     num_action_samples: int = 2  # M: actions averaged for V(s') in the targets
     # networks
     actor_hidden: tuple[int, ...] = (64, 64)  # control net (or Gaussian actor) widths
-    critic_hidden: tuple[int, ...] = (128, 128)  # critic encoder widths (the heads use the last width)
+    critic_hidden: tuple[int, ...] = (128, 128)  # critic encoder widths (each head: one hidden layer of the last width)
     normalize_obs: bool = True  # running mean/variance observation normalisation
     episode_length: int = 1000  # time limit (truncation, bootstrapped)
     num_evals: int = 10  # evaluations (and log lines) over the run
@@ -143,19 +142,32 @@ RUN_FIELDS = ("out_dir", "overwrite", "plot", "checkpoint_every", "keep_checkpoi
               "process_id", "tensorboard", "wandb", "wandb_project")
 
 
+# Playground's locomotion humanoids (joystick tasks of G1, T1, H1, OP3, Apollo, Berkeley Humanoid), by name prefix.
+LOCOMOTION_HUMANOIDS = ("G1", "T1", "H1", "Op3", "Apollo", "BerkeleyHumanoid")
+
+
+def family_values(env: str) -> dict:
+    """Values that hold in every preset of a task family: the critic's support must hold the (scaled) returns.
+    DM Control: rewards in [0, 1], so discounted returns in [0, 100] inside [0, 150]. Brax: several reward units per
+    step, scaled by 0.1 (REPPO's Brax configs; [0, 200] for humanoid). Locomotion humanoids: REPPO's [-10, 10]."""
+    if env in brax_task_names():
+        return dict(reward_scale=0.1, vmax=200.0 if env.startswith("humanoid") else 150.0)
+    if env.startswith(LOCOMOTION_HUMANOIDS):
+        return dict(vmin=-10.0, vmax=10.0)
+    return {}
+
+
 def preset_config(preset: str, env: str) -> Config:
-    """The starting values of a preset for a task family (TRUDI.md section 6); flags override them."""
+    """The starting values of a preset for a task family (docs/algorithm.md section 11); flags override them."""
     if preset == "cpu":
-        return Config(env=env, preset="cpu")
+        return Config(env=env, preset="cpu", **family_values(env))
     if preset != "paper":
         raise ValueError(f"unknown preset {preset!r}")
     paper = dict(env=env, preset="paper", total_steps=50_000_000, num_envs=1024, rollout_steps=32,
                  num_minibatches=16, num_epochs=8, learning_rate=3e-4, max_grad_norm=0.5, gamma=0.99,
                  td_lambda=0.95, kl_bound=0.1, num_old_chains=4, num_action_samples=2,
-                 actor_hidden=(512, 512, 512), critic_hidden=(512, 512), num_eval_envs=128)
-    if env in brax_task_names():  # Brax: reward x0.1, early termination (the task's own)
-        paper.update(reward_scale=0.1, vmax=200.0 if env.startswith("humanoid") else 150.0)
-    elif env.startswith("Humanoid"):  # Playground humanoids: the usual REPPO choices
+                 actor_hidden=(512, 512, 512), critic_hidden=(512, 512), num_eval_envs=128) | family_values(env)
+    if env.startswith(LOCOMOTION_HUMANOIDS):  # REPPO's humanoid overrides (its DM Control humanoids use the above)
         paper.update(gamma=0.97, critic_hidden=(1024, 1024))
     return Config(**paper)
 
@@ -402,13 +414,9 @@ class Critic(nn.Module):
     hidden: tuple[int, ...]
     num_bins: int
     start_logits: tuple[float, ...] | None = None
-    linear_embedding: bool = False
 
     def setup(self):
-        if self.linear_embedding:
-            self.encoder = LayerNormMLP(self.hidden[:-1], self.hidden[-1])
-        else:
-            self.encoder = LayerNormMLP(self.hidden, None)
+        self.encoder = LayerNormMLP(self.hidden, None)
         start = nn.initializers.zeros if self.start_logits is None else (
             lambda key, shape, dtype=jnp.float32: jnp.asarray(self.start_logits, dtype).reshape(shape))
         self.q_head = LayerNormMLP((self.hidden[-1],), self.num_bins, out_bias=start)
@@ -744,7 +752,7 @@ def make_critic(cfg: Config) -> Critic:
     if cfg.critic_start is not None:
         start = tuple(float(x) for x in 40.0 * hl_gauss(jnp.asarray(cfg.critic_start), cfg.vmin, cfg.vmax,
                                                          cfg.num_bins, cfg.hl_gauss_std))
-    return Critic(cfg.critic_hidden, cfg.num_bins, start, cfg.critic_linear_embedding)
+    return Critic(cfg.critic_hidden, cfg.num_bins, start)
 
 
 def make_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:

@@ -2,9 +2,9 @@
 
     python benchmarks/readme_results.py          # rewrites README.md between the results markers
 
-Sources: cpu/<algo>_CartpoleBalance/{metrics.csv,config.json} (single cpu-preset runs),
-cpu/throughput_*.json (benchmarks/throughput.py), cpu/reproduce.md (+ .png, .csv; benchmarks/plot.py) and
-gpu/*.json (benchmarks/gpu_check.sh), each with the command that produced it.
+Sources: cpu/reproduce.csv (benchmarks/reproduce.py, one row per evaluation and seed), cpu/reproduce.md (+ .png;
+benchmarks/plot.py), cpu/throughput_*.json and cpu/flops_paper.json (benchmarks/throughput.py) and gpu/*.json
+(benchmarks/gpu_check.sh), each with the command that produced it.
 """
 from __future__ import annotations
 
@@ -17,29 +17,53 @@ import statistics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 START, END = "<!-- results:start (benchmarks/readme_results.py) -->", "<!-- results:end -->"
-RUNS = [("TruDi", "trudi", "python trudi_jax.py --env CartpoleBalance --preset cpu"),
-        ("REPPO", "reppo", "python trudi_jax.py --env CartpoleBalance --preset cpu --actor gaussian"),
-        ("PPO", "ppo", "python ppo_jax.py --env CartpoleBalance --preset cpu")]
+ALGO_LABELS = {"trudi": "TruDi", "reppo": "REPPO (`--actor gaussian`)", "ppo": "PPO (`ppo_jax.py`)"}
 
 
-def single_runs() -> list[str]:
-    lines = ["| algorithm | command | compile | first eval >= 950 | final eval | median per-iteration KL |",
-             "|---|---|---|---|---|---|"]
-    for label, name, command in RUNS:
-        folder = os.path.join(RESULTS, "cpu", f"{name}_CartpoleBalance")
-        if not os.path.exists(os.path.join(folder, "metrics.csv")):
-            continue
-        with open(os.path.join(folder, "metrics.csv")) as f:
-            rows = list(csv.DictReader(f))
-        with open(os.path.join(folder, "config.json")) as f:
-            compile_s = json.load(f)["compile_s"]
-        first = next((r for r in rows if float(r["eval_return"]) >= 950), None)
-        reached = f"{int(r['env_steps']) // 1000}k steps, {float(r['wall_s']):.0f} s" if (r := first) else "not reached"
-        kl = f"{statistics.median(float(r['kl_median']) for r in rows):.3f}" if "kl_median" in rows[0] else "–"
-        last = rows[-1]
-        lines.append(f"| {label} | `{command}` | {compile_s:.1f} s | {reached} | "
-                     f"{float(last['eval_return']):.1f} ({int(last['env_steps']) // 1000}k) | {kl} |")
+def seed_table(path: str) -> list[str]:
+    """Per algorithm on each task of a reproduce.py CSV: per seed, the first evaluation >= 950 and the final one."""
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r["status"] == "ok"]
+    lines = ["| task | algorithm | seeds >= 950 | first eval >= 950, per seed (env steps) | final eval, per seed | "
+             "median per-iteration KL | wall s per seed (median) |", "|---|---|---|---|---|---|---|"]
+    for env in sorted({r["env"] for r in rows}):
+        for algo in ("trudi", "reppo", "ppo"):
+            runs = {}
+            for r in rows:
+                if r["env"] == env and r["algo"] == algo:
+                    runs.setdefault(r["seed"], []).append(r)
+            if not runs:
+                continue
+            firsts, finals, kls, walls = [], [], [], []
+            for seed in sorted(runs, key=int):
+                run = sorted(runs[seed], key=lambda r: int(r["env_steps"]))
+                first = next((int(r["env_steps"]) for r in run if float(r["eval_return"]) >= 950), None)
+                firsts.append(f"{first // 1000}k" if first else "never")
+                finals.append(f"{float(run[-1]['eval_return']):.0f}")
+                kls += [float(r["kl_median"]) for r in run if r.get("kl_median")]
+                walls.append(float(run[-1]["wall_s"]))
+            reached = sum(f != "never" for f in firsts)
+            budget = max(int(r["env_steps"]) for seed in runs for r in runs[seed])
+            kl = f"{statistics.median(kls):.3f}" if kls else "–"
+            lines.append(f"| {env} | {ALGO_LABELS[algo]} | {reached} of {len(runs)} (budget {budget // 1000}k) | "
+                         f"{', '.join(firsts)} | {', '.join(finals)} | {kl} | {statistics.median(walls):.0f} |")
     return lines
+
+
+def flops_table(path: str) -> list[str]:
+    with open(path) as f:
+        rows = json.load(f)
+    names = [n for n in ("trudi", "reppo", "ppo_jax") if f"{n}_flops_per_step" in rows[0]]
+    lines = [f"FLOPs per environment step of one iteration at `--preset paper` (`{rows[0]['command']}`, "
+             f"{rows[0]['date']}): XLA's cost analysis of each piece compiled alone with its scans unrolled; the "
+             "physics' solver loops count once, so the environment share is a lower bound.", "",
+             "| task | " + " | ".join(f"{n} FLOPs/step (update share)" for n in names) + " | TruDi / REPPO |",
+             "|---|" + "---|" * (len(names) + 1)]
+    for row in rows:
+        cells = [f"{row[f'{n}_flops_per_step'] / 1e6:,.1f} M "
+                 f"({row[f'{n}_flops_per_step_pieces']['update'] / row[f'{n}_flops_per_step']:.0%})" for n in names]
+        lines.append(f"| {row['env']} | " + " | ".join(cells) + f" | {row['trudi_flops_per_step_vs_reppo']:.2f} |")
+    return lines + [""]
 
 
 def throughput_tables(folder: str) -> list[str]:
@@ -49,9 +73,17 @@ def throughput_tables(folder: str) -> list[str]:
             rows = json.load(f)
         names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "reppo") if f"{n}_sps" in rows[0]]
         extra = rows[0]
+        if extra.get("preset") == "paper":
+            shape = "each runner at its paper preset: " + "; ".join(
+                f"{n} {c['num_envs']} envs x {c['rollout_steps']} steps, {c['num_minibatches']} minibatches, "
+                f"{c['num_epochs']} epochs" for n in names if (c := extra.get(f"{n}_config")))
+            shape += f", median of {extra['repeats']} blocks of {extra['iterations_per_block']} iteration(s)"
+        else:
+            shape = (f"{extra['num_envs']} envs x {extra['rollout_steps']} steps, {extra['num_minibatches']} "
+                     f"minibatches, {extra['num_epochs']} epochs, median of {extra['repeats']} blocks of "
+                     f"{extra['steps_per_block']:,} steps")
         lines += [f"`{extra['command']}` ({extra['date']}, {extra['device']}, jax {extra['jax']}, brax {extra['brax']}; "
-                  f"{extra['num_envs']} envs x {extra['rollout_steps']} steps, {extra['num_minibatches']} minibatches, "
-                  f"{extra['num_epochs']} epochs, median of {extra['repeats']} blocks of {extra['steps_per_block']:,} steps):", ""]
+                  f"{shape}):", ""]
         header = ["task"] + [f"{n} steps/s" for n in names] + [f"{n} compile s" for n in names]
         ratios = []
         if "ratio" in rows[0]:
@@ -119,12 +151,13 @@ def section() -> str:
     out = ["Generated by `python benchmarks/readme_results.py` from `benchmarks/results/` (raw metrics, logs and",
            "JSON there, each with its command, date, machine and versions). CPU: a 2-core x86-64 machine without",
            "accelerator, Python 3.11, JAX 0.10.2, Playground 0.2.0, MJX 3.17.0 (`requirements.txt`).", ""]
-    runs = single_runs()
-    if len(runs) > 2:
-        out += ["### Learning on CPU: CartpoleBalance, `--preset cpu`, seed 0", "",
-                "The three runs shared the two cores, so their wall-clock numbers are pessimistic. A constant zero",
-                "action scores about 697 on this task (random: 250-300), so only returns well above 700 show learning.",
-                "", "![CartpoleBalance learning curves](benchmarks/results/cpu/cartpole_curves.png)", ""] + runs + [""]
+    seeds_csv = os.path.join(RESULTS, "cpu", "reproduce.csv")
+    if os.path.exists(seeds_csv):
+        out += ["### Learning on CPU: `--preset cpu`, one run per seed", "",
+                "Seeds 100-103 (not the seeds the preset was chosen on), each the single-seed command, e.g.",
+                "`python trudi_jax.py --env CartpoleBalance --preset cpu --seed 100` (`--actor gaussian` for REPPO;",
+                "`python ppo_jax.py ... --seed 100`). A constant zero action scores about 697 on CartpoleBalance",
+                "(random: 250-300), so only returns well above 700 show learning.", ""] + seed_table(seeds_csv) + [""]
     reproduction = os.path.join(RESULTS, "cpu", "reproduce.md")
     if os.path.exists(reproduction):
         with open(reproduction) as f:
@@ -134,17 +167,24 @@ def section() -> str:
         if os.path.exists(log):
             with open(log) as f:
                 total = next((line.strip() for line in f if line.startswith("total wall seconds")), "")
-        out += ["### CPU reproduction: TruDi, REPPO, PPO x 3 seeds (`benchmarks/reproduce.py --tasks cpu --seeds 3`)", "",
+        out += ["### CPU reproduction: TruDi, REPPO, PPO (`benchmarks/reproduce.py`, commands in "
+                "`benchmarks/results/cpu/README.md`)", "",
                 f"Final evaluation return, mean ± std over seeds, next to the published numbers at 50M steps ({total}).",
                 "", "![reproduction curves](benchmarks/results/cpu/reproduce.png)", "", table, ""]
     cpu = throughput_tables("cpu")
     if cpu:
         out += ["### Speed on CPU (`benchmarks/throughput.py`)", "",
                 "Identical settings per table; compile time reported separately; runners timed alternately.", ""] + cpu
+    flops = os.path.join(RESULTS, "cpu", "flops_paper.json")
+    if os.path.exists(flops):
+        out += flops_table(flops)
     managed = run_management()
     if managed:
         out += ["### Checkpoints, devices, video", ""] + managed
     gpu = throughput_tables("gpu")
+    if gpu:
+        gpu = ["One NVIDIA H200 (details, the FLOP comparison and what did not fit: "
+               "`benchmarks/results/gpu/README.md`).", ""] + gpu
     out += ["### GPU", ""] + (gpu or ["Not measured yet: no accelerator was available to the sessions so far. "
                                       "`benchmarks/gpu_check.sh` is ready (one H200, < 8 minutes).", ""])
     return "\n".join(out).rstrip() + "\n"

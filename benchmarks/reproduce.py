@@ -1,12 +1,13 @@
 """Run an algorithm over a task set and seeds; write one long-format CSV of evaluation returns.
 
     python benchmarks/reproduce.py --algo trudi --tasks cpu --seeds 3
+    python benchmarks/reproduce.py --algo reppo --tasks CartpoleBalance --seeds 4 --first-seed 100 --separate-seeds
     python benchmarks/reproduce.py --algo reppo --tasks dmc --seeds 5 --preset paper
     python benchmarks/reproduce.py --algo ppo --tasks brax --preset paper --out benchmarks/results/gpu/ppo_brax.csv
 
 Algorithms: `trudi` (trudi_jax.py), `reppo` (trudi_jax.py --actor gaussian), `ppo` (ppo_jax.py). The seeds of
 one task train together in one compiled program (`--num-seeds`, vmap). Each row of the CSV is
-`algo, env, seed, env_steps, eval_return, wall_s, status`; a run that dies (an exception, or a non-finite
+`algo, env, seed, env_steps, eval_return, wall_s, status, kl_median`; a run that dies (an exception, or a non-finite
 evaluation return) is recorded with its status instead of being dropped, and the next task still runs.
 Rows are appended as each task finishes, so an interrupted run keeps what it measured.
 """
@@ -33,15 +34,21 @@ TASK_SETS = {
     "brax": ("humanoid", "ant", "halfcheetah", "hopper", "walker2d"),
 }
 ALGOS = {"trudi": (trudi_jax, []), "reppo": (trudi_jax, ["--actor", "gaussian"]), "ppo": (ppo_jax, [])}
-FIELDS = ["algo", "env", "seed", "env_steps", "eval_return", "wall_s", "status"]
+FIELDS = ["algo", "env", "seed", "env_steps", "eval_return", "wall_s", "status", "kl_median"]
 
 
-def run_task(algo: str, env: str, seeds: int, preset: str, extra: list[str], log=print) -> list[dict]:
-    """Train `seeds` seeds of one algorithm on one task; rows for the CSV (a failure is one row per seed)."""
+def run_task(algo: str, env: str, seeds: int, preset: str, extra: list[str], log=print, first_seed: int = 0,
+             separate: bool = False) -> list[dict]:
+    """Train `seeds` seeds of one algorithm on one task; rows for the CSV (a failure is one row per seed).
+    Together: one program with the seeds vmapped (seed index 0..seeds-1 of --seed first_seed). Separate: one run per
+    seed, --seed first_seed + i without vmap, i.e. the program a user's single-seed command runs."""
+    if separate:
+        return [row for s in range(first_seed, first_seed + seeds)
+                for row in run_task(algo, env, 1, preset, extra + ["--seed", str(s)], log, s)]
     module, algo_args = ALGOS[algo]
     with tempfile.TemporaryDirectory() as out_dir:
         argv = ["--env", env, "--preset", preset, "--num-seeds", str(seeds), "--out-dir", out_dir, "--no-plot",
-                *algo_args, *extra]
+                "--seed", str(first_seed), *algo_args, *extra]
         start = time.perf_counter()
         try:
             cfg = module.parse_config(argv)
@@ -49,13 +56,14 @@ def run_task(algo: str, env: str, seeds: int, preset: str, extra: list[str], log
         except (Exception, SystemExit) as error:  # recorded, not dropped; the next task still runs
             message = f"failed: {type(error).__name__}: {error}".replace("\n", " ")[:300]
             wall = round(time.perf_counter() - start, 1)
-            return [dict(algo=algo, env=env, seed=s, env_steps=0, eval_return=math.nan, wall_s=wall, status=message)
-                    for s in range(seeds)]
+            return [dict(algo=algo, env=env, seed=first_seed + s if seeds == 1 else s, env_steps=0,
+                         eval_return=math.nan, wall_s=wall, status=message) for s in range(seeds)]
     out = []
     for row in rows:
         finite = math.isfinite(row["eval_return"])
         out.append(dict(algo=algo, env=env, seed=row["seed"], env_steps=row["env_steps"],
-                        eval_return=row["eval_return"], wall_s=row["wall_s"], status="ok" if finite else "nan"))
+                        eval_return=row["eval_return"], wall_s=row["wall_s"], status="ok" if finite else "nan",
+                        kl_median=row.get("kl_median", "")))
     return out
 
 
@@ -65,18 +73,26 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--algo", required=True, choices=sorted(ALGOS))
     parser.add_argument("--tasks", default="cpu", help=f"a task set ({', '.join(TASK_SETS)}) or comma-separated names")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="--seed of the first run (default 0)")
+    parser.add_argument("--separate-seeds", action="store_true",
+                        help="one run per seed (--seed S, no vmap) instead of one program with the seeds vmapped")
     parser.add_argument("--preset", default="cpu", choices=["cpu", "paper"])
     parser.add_argument("--out", default=None, help="CSV to append to (default benchmarks/results/<preset>/reproduce.csv)")
     args, extra = parser.parse_known_args(argv)  # anything else goes to the algorithm's own CLI
     if args.seeds < 1:
         raise SystemExit("error: --seeds must be positive")
     tasks = TASK_SETS.get(args.tasks) or tuple(t for t in args.tasks.split(",") if t)
+    if args.separate_seeds:  # the runs of a task compile the same program: compile it once
+        import jax
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jax_cache_"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.preset, "reproduce.csv")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     new_file = not os.path.exists(out)
     for env in tasks:
         print(f"[reproduce] {args.algo} on {env}, {args.seeds} seeds, preset {args.preset}")
-        rows = run_task(args.algo, env, args.seeds, args.preset, extra)
+        rows = run_task(args.algo, env, args.seeds, args.preset, extra, first_seed=args.first_seed,
+                        separate=args.separate_seeds)
         with open(out, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=FIELDS)
             if new_file:

@@ -1,4 +1,4 @@
-"""Tests of trudi_jax.py that mirror the equations of TRUDI.md, one test per equation or invariant."""
+"""Tests of trudi_jax.py that mirror the equations of docs/algorithm.md, one test per equation or invariant."""
 import os
 import subprocess
 import sys
@@ -183,6 +183,20 @@ def test_soft_lambda_return_matches_python_reference():
     np.testing.assert_allclose(got, soft_lambda_return_reference(r, v, term, trunc, 0.97, 0.9), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("start", [0.0, 40.0, None])
+def test_untrained_critic_starts_near_critic_start(start):
+    """REPPO's pessimistic start: the Q head's output bias is 40 HL-Gauss(start), so the untrained critic's
+    expected Q is close to `start` for any input; without it (None) Q starts near the middle of the support."""
+    cfg = T.Config(critic_start=start, critic_hidden=(32, 32))
+    critic = T.make_critic(cfg)
+    params = critic.init(jax.random.PRNGKey(0), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
+    obs = 3.0 * jax.random.normal(jax.random.PRNGKey(1), (256, OBS))
+    action = jnp.tanh(jax.random.normal(jax.random.PRNGKey(2), (256, ACT)))
+    q = np.asarray(T.expected_q(critic.apply(params, obs, action)[0], cfg))
+    expected, tolerance = ((cfg.vmin + cfg.vmax) / 2, 0.1) if start is None else (start, 0.01)
+    assert np.all(np.abs(q - expected) < tolerance * (cfg.vmax - cfg.vmin)), (q.min(), q.max())
+
+
 def test_soft_lambda_return_bootstraps_truncation_not_termination():
     r, v = jnp.ones((1, 2)), jnp.full((1, 2), 10.0)
     g = T.soft_lambda_return(r, v, jnp.array([[0.0, 1.0]]), jnp.array([[1.0, 0.0]]), 0.9, 0.95)
@@ -359,6 +373,21 @@ def test_targets_on_a_hand_computed_three_step_rollout():
     np.testing.assert_allclose(batch.next_action[0, 0], [0.2])
 
 
+@pytest.mark.parametrize("preset", ["cpu", "paper"])
+def test_every_preset_keeps_the_scaled_returns_inside_the_critic_support(preset):
+    """Per task family, in every preset: DM Control rewards are in [0, 1], so discounted returns stay below
+    1 / (1 - gamma) = 100 < vmax; Brax rewards are several units per step and are scaled by 0.1 into [0, 200]
+    (humanoid) or [0, 150]; Playground's locomotion humanoids use REPPO's [-10, 10]."""
+    for env, scale, support in (("CartpoleBalance", 1.0, (0.0, 150.0)), ("HumanoidWalk", 1.0, (0.0, 150.0)),
+                                ("humanoid", 0.1, (0.0, 200.0)), ("ant", 0.1, (0.0, 150.0)),
+                                ("G1JoystickFlatTerrain", 1.0, (-10.0, 10.0))):
+        cfg = T.preset_config(preset, env)
+        assert (cfg.reward_scale, (cfg.vmin, cfg.vmax)) == (scale, support), env
+        if env[0].isupper() and not env.startswith("G1"):  # DM Control: the largest discounted return fits
+            assert 1.0 * scale / (1 - cfg.gamma) <= cfg.vmax
+    assert T.parse_config(["--env", "humanoid"]).reward_scale == 0.1  # the cpu preset too, chosen by --env
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI: bad input is rejected with one line and a non-zero exit, before anything compiles.
 # ---------------------------------------------------------------------------------------------
@@ -381,14 +410,31 @@ def test_cli_rejects_bad_input_with_one_line(args, needle, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # End to end: the fused training program runs, learns, and writes its outputs.
 # ---------------------------------------------------------------------------------------------
+# The first log points of the README's command, `python trudi_jax.py --env CartpoleBalance --preset cpu --seed S`:
+# with the preset's chunking (1.2M steps in 10 log points of 59 iterations), --total-steps k * 120,832 with
+# --num-evals k runs the very same program and random stream for its first k log points (evaluation episodes do
+# not touch the training stream, so fewer of them change nothing but the test's time).
+STEPS_PER_LOG_POINT = 59 * 64 * 32
+
+
 @pytest.mark.slow
-def test_cpu_preset_learns_cartpole_balance_inside_the_trust_region(tmp_path, monkeypatch):
-    """The cpu preset (the README's command) measured 921 at 573k, 999 at 655k steps; zero action scores ~697.
-    Same program as the CLI run (num_evals decides the chunking and so the random stream); fewer eval episodes."""
-    monkeypatch.chdir(tmp_path)
-    cfg = T.parse_config(["--env", "CartpoleBalance", "--preset", "cpu", "--num-eval-envs", "16",
-                          "--out-dir", str(tmp_path / "run"), "--no-plot"])
-    rows = T.train(cfg, log=lambda line: None)
-    eval_returns = [r["eval_return"] for r in rows]
-    assert max(eval_returns) >= 900, eval_returns
-    assert np.median([r["kl_median"] for r in rows]) <= 2 * cfg.kl_bound  # the trust region holds
+@pytest.mark.parametrize("actor,log_points", [("diffusion", 4), ("gaussian", 6)])
+def test_cpu_preset_learns_cartpole_balance_on_all_but_one_seed(actor, log_points, tmp_path, monkeypatch):
+    """Three single-seed runs of the cpu preset (seeds 100-102, not the ones it was chosen on), each the README's
+    command cut after `log_points` evaluations: all but one seed pass 950 by then (a zero action scores ~697),
+    inside the trust region (median per-iteration KL <= 2 epsilon). Measured 2026-12-04 on seeds 100-103
+    (benchmarks/results/cpu/reproduce.csv): see the README's learning table; the budgets here sit well past the
+    measured median first pass (TruDi 483k, REPPO 725k = 60 % of the preset's 1.2M). A single seed's course
+    depends on the machine's floating-point details, hence the claim about seeds."""
+    monkeypatch.chdir(tmp_path)  # MuJoCo writes MUJOCO_LOG.TXT into the working directory
+    best, kls = {}, []
+    for seed in (100, 101, 102):
+        cfg = T.parse_config(["--env", "CartpoleBalance", "--preset", "cpu", "--actor", actor, "--seed", str(seed),
+                              "--total-steps", str(log_points * STEPS_PER_LOG_POINT), "--num-evals", str(log_points),
+                              "--num-eval-envs", "16", "--out-dir", str(tmp_path / f"run{seed}"), "--no-plot"])
+        assert T.chunk_iterations(cfg) == 59  # the CLI's chunking, so the CLI's random stream
+        rows = T.train(cfg, log=lambda line: None)
+        best[seed] = max(r["eval_return"] for r in rows)
+        kls += [r["kl_median"] for r in rows]
+    assert sum(b >= 950 for b in best.values()) >= 2, best
+    assert np.median(kls) <= 2 * cfg.kl_bound  # the trust region holds
