@@ -1312,7 +1312,8 @@ def train(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
     steps_per_chunk = iters_per_chunk * cfg.num_envs * cfg.rollout_steps
     log(f"[{name} {cfg.env}] running {cfg.num_evals * steps_per_chunk:,} env steps per seed ({cfg.num_evals} log "
         f"points x {iters_per_chunk} iterations x {cfg.num_envs} envs x {cfg.rollout_steps} steps; asked for "
-        f"{cfg.total_steps:,}), {cfg.num_seeds} seed{'s' * (cfg.num_seeds > 1)}; writing to {cfg.out_dir}")
+        f"{cfg.total_steps:,}), {cfg.num_seeds} seed{'s' * (cfg.num_seeds > 1)}, --preset {cfg.preset}; writing to "
+        f"{cfg.out_dir}")
     ckpt_path, last_good = os.path.join(cfg.out_dir, CHECKPOINT), None
     if cfg.video:  # headless rendering; must be chosen before MuJoCo is first imported
         os.environ.setdefault("MUJOCO_GL", "egl")

@@ -24,8 +24,8 @@ def seed_table(path: str) -> list[str]:
     """Per algorithm on each task of a reproduce.py CSV: per seed, the first evaluation >= 950 and the final one."""
     with open(path) as f:
         rows = [r for r in csv.DictReader(f) if r["status"] == "ok"]
-    lines = ["| task | algorithm | seeds >= 950 | first eval >= 950, per seed (env steps) | final eval, per seed | "
-             "median per-iteration KL | wall s per seed (median) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| task | algorithm | seeds >= 950 | first eval >= 950, per seed (env steps) | lowest eval after it | "
+             "final eval, per seed | median per-iteration KL | wall s per seed (median) |", "|---|---|---|---|---|---|---|---|"]
     for env in sorted({r["env"] for r in rows}):
         for algo in ("trudi", "reppo", "ppo"):
             runs = {}
@@ -34,11 +34,13 @@ def seed_table(path: str) -> list[str]:
                     runs.setdefault(r["seed"], []).append(r)
             if not runs:
                 continue
-            firsts, finals, kls, walls = [], [], [], []
+            firsts, lows, finals, kls, walls = [], [], [], [], []
             for seed in sorted(runs, key=int):
                 run = sorted(runs[seed], key=lambda r: int(r["env_steps"]))
                 first = next((int(r["env_steps"]) for r in run if float(r["eval_return"]) >= 950), None)
                 firsts.append(f"{first // 1000}k" if first else "never")
+                after = [float(r["eval_return"]) for r in run if first and int(r["env_steps"]) >= first]
+                lows.append(f"{min(after):.0f}" if after else "–")
                 finals.append(f"{float(run[-1]['eval_return']):.0f}")
                 kls += [float(r["kl_median"]) for r in run if r.get("kl_median")]
                 walls.append(float(run[-1]["wall_s"]))
@@ -46,7 +48,8 @@ def seed_table(path: str) -> list[str]:
             budget = max(int(r["env_steps"]) for seed in runs for r in runs[seed])
             kl = f"{statistics.median(kls):.3f}" if kls else "–"
             lines.append(f"| {env} | {ALGO_LABELS[algo]} | {reached} of {len(runs)} (budget {budget // 1000}k) | "
-                         f"{', '.join(firsts)} | {', '.join(finals)} | {kl} | {statistics.median(walls):.0f} |")
+                         f"{', '.join(firsts)} | {', '.join(lows)} | {', '.join(finals)} | {kl} | "
+                         f"{statistics.median(walls):.0f} |")
     return lines
 
 
