@@ -25,7 +25,9 @@ Choices this file makes where the specification leaves them open:
   collected the batch is exactly the "old" policy of the trust region.
 * The control net's output is soft-clipped, `c * tanh(u / c)` with c = `control_clip`, so it keeps a
   gradient everywhere; its last layer starts at zero, so the untrained policy is the prior chain.
-* The K old-policy chains of the trust region are drawn afresh per minibatch (`--num-old-chains`).
+* The K old-policy chains of the trust region are drawn once per iteration, not per minibatch: the chain the
+  rollout itself drew at each state and K - 1 fresh ones (`--num-old-chains`). `--kl-direction reverse` is a
+  cheaper variant: KL(new || old) along the chain the actor loss already runs (old kernels at its states).
 * `V(s')` for the lambda-returns averages Q over `num_action_samples` fresh chains at s'; the first
   of them also serves as the next action a' wherever the rollout has none (truncation, last step).
 * The auxiliary self-predictive loss (next embedding and reward) is masked where the episode ended
@@ -87,7 +89,8 @@ class Config:
     # trust region and dual variables
     kl_bound: float = 0.1  # epsilon: per-state KL bound of the gate
     kl_mode: Literal["full", "mean"] = "full"  # full Gaussian KL per step, or its mean term only
-    num_old_chains: int = 1  # K: old-policy chains per state for the KL c(s)
+    num_old_chains: int = 1  # K: old-policy chains per state for the KL c(s): the rollout's own and K-1 fresh ones
+    kl_direction: Literal["forward", "reverse"] = "forward"  # c(s) = KL(old||new) over old chains, or KL(new||old) along the loss's chain
     kl_start: float = 0.01  # initial beta (KL multiplier)
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
@@ -483,6 +486,18 @@ class Chain(NamedTuple):
     eta: jax.Array  # eta_n = dt_n / friction, [N, d]
 
 
+class ChainTrace(NamedTuple):
+    """A sampled chain kept for the trust region, batch axes first (so it can be stored per transition)."""
+    xs: jax.Array  # x_0 ... x_N, [..., N+1, d]
+    means: jax.Array  # mu_0 ... mu_{N-1}, [..., N, d]
+
+
+class GaussianTrace(NamedTuple):
+    """The Gaussian actor's distribution at the sampled states."""
+    mean: jax.Array  # mu(s), [..., d]
+    log_std: jax.Array  # log sigma(s), [..., d]
+
+
 def kernel_mean(x, u, eta, prior_std):
     """mu_n = x_n + eta_n (f(x_n) + u_n): the mean of the forward kernel F_n."""
     return x + eta * (prior_drift(x, prior_std) + u)
@@ -516,21 +531,22 @@ def chain_log_prob(chain: Chain, prior_std) -> jax.Array:
             - jnp.log(1 - action**2 + 1e-6).sum(-1))
 
 
-def chain_kl(old: Chain, new_means, new_eta, mode: str = "full") -> jax.Array:
-    """c = sum_n KL(N(mu_n^old, 2 eta_n^old) || N(mu_n^new, 2 eta_n^new)) at the old chain's states, [B]."""
-    var_old, var_new = 2 * per_step(old.eta, old.means), 2 * per_step(new_eta, old.means)
+def chain_kl(p_means, p_eta, q_means, q_eta, mode: str = "full") -> jax.Array:
+    """sum_n KL(N(mu_n^p, 2 eta_n^p) || N(mu_n^q, 2 eta_n^q)), summed over steps and action dimensions:
+    means [..., N, d], eta [N, d] -> [...]. Mode mean keeps only the mean term 0.5 (mu^p - mu^q)^2 / (2 eta^q)."""
     if mode == "mean":
-        kl = 0.5 * (old.means - new_means) ** 2 / var_new
+        kl = 0.5 * (p_means - q_means) ** 2 / (2 * q_eta)
     else:
-        kl = gaussian_kl(old.means, var_old, new_means, var_new)
-    return kl.sum((0, -1))
+        kl = gaussian_kl(p_means, 2 * p_eta, q_means, 2 * q_eta)
+    return kl.sum((-2, -1))
 
 
 class Actor(NamedTuple):
     """The policy interface the losses use, for either actor."""
     init: Callable  # key -> params
-    sample: Callable  # (params, obs, key) -> (action, log_prob), reparameterised
-    trust_region_kl: Callable  # (old params, params, obs, key) -> c(s)
+    sample: Callable  # (params, obs, key) -> (action, log_prob, trace), reparameterised
+    old_policy: Callable  # (old params, obs, key, the rollout's trace) -> what c(s) needs of the old policy, once per iteration
+    trust_region_kl: Callable  # (params, old params, old, obs, trace of the loss's sample) -> c(s)
     evaluate: Callable  # (params, obs, key) -> action for evaluation
 
 
@@ -558,19 +574,38 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
         noise = noise_scale * jax.random.normal(k, (N,) + x0.shape)
         return run_chain(control_fn(params, obs), x0, noise, eta(params), cfg.prior_std, ode_coef)
 
+    def trace_of(chain: Chain) -> ChainTrace:
+        return ChainTrace(jnp.moveaxis(chain.xs, 0, -2), jnp.moveaxis(chain.means, 0, -2))
+
     def sample(params, obs, key):
         chain = sample_chain(params, obs, key)
-        return jnp.tanh(chain.xs[-1]), chain_log_prob(chain, cfg.prior_std)
+        return jnp.tanh(chain.xs[-1]), chain_log_prob(chain, cfg.prior_std), trace_of(chain)
 
-    def trust_region_kl(old_params, params, obs, key):
-        """K old chains per state; the new kernels are evaluated at the old chain's states in one batch."""
-        obs_k = jnp.broadcast_to(obs, (K,) + obs.shape).reshape((-1,) + obs.shape[1:])
-        old = jax.lax.stop_gradient(sample_chain(old_params, obs_k, key))
-        new_eta = eta(params)
-        u = net.apply(params["control"], old.xs[:-1], jnp.broadcast_to(obs_k, (N,) + obs_k.shape),
-                      jnp.broadcast_to(embedding[:, None], (N, obs_k.shape[0], E)))
-        new_means = kernel_mean(old.xs[:-1], u, per_step(new_eta, u), cfg.prior_std)
-        return chain_kl(old, new_means, new_eta, cfg.kl_mode).reshape(K, -1).mean(0)
+    def kernel_means_at(params, obs, xs):
+        """mu_n(x_n) of params' kernels at given states x_n, [..., N, d] (obs [..., obs]), in one call of the net."""
+        obs_n = jnp.broadcast_to(obs[..., None, :], xs.shape[:-1] + obs.shape[-1:])
+        u = net.apply(params["control"], xs, obs_n, jnp.broadcast_to(embedding, xs.shape[:-1] + (E,)))
+        return kernel_mean(xs, u, eta(params), cfg.prior_std)
+
+    def old_policy(old_params, obs, key, behaviour: ChainTrace):
+        """Forward KL: the K old chains per state, [..., K, N+1, d], drawn once per iteration: the chain the rollout
+        drew at this state (an old-policy sample already paid for) and K - 1 fresh ones. Reverse KL: nothing."""
+        if cfg.kl_direction == "reverse":
+            return ()
+        chains = jax.tree.map(lambda b: b[..., None, :, :], behaviour)
+        if K > 1:
+            fresh = jax.vmap(lambda k: trace_of(sample_chain(old_params, obs, k)))(jax.random.split(key, K - 1))
+            chains = jax.tree.map(lambda b, f: jnp.concatenate([b, jnp.moveaxis(f, 0, -3)], -3), chains, fresh)
+        return jax.lax.stop_gradient(chains)
+
+    def trust_region_kl(params, old_params, old, obs, new: ChainTrace):
+        """Forward: (1/K) sum_k KL(old || new) at the K old chains' states, every new kernel in one call. Reverse:
+        KL(new || old) along the new (reparameterised) chain, the old kernels evaluated at its states."""
+        if cfg.kl_direction == "reverse":
+            old_means = kernel_means_at(old_params, obs, new.xs[..., :-1, :])
+            return chain_kl(new.means, eta(params), old_means, eta(old_params), cfg.kl_mode)
+        new_means = kernel_means_at(params, obs[..., None, :], old.xs[..., :-1, :])
+        return chain_kl(old.means, eta(old_params), new_means, eta(params), cfg.kl_mode).mean(-1)
 
     def evaluate(params, obs, key):
         if cfg.eval_mode == "stochastic":
@@ -579,7 +614,7 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
                              prior_scale=1.0 if cfg.eval_prior_start else 0.0)
         return jnp.tanh(chain.xs[-1])
 
-    return Actor(init, sample, trust_region_kl, evaluate)
+    return Actor(init, sample, old_policy, trust_region_kl, evaluate)
 
 
 def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
@@ -594,22 +629,26 @@ def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
         u = mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
         action = jnp.tanh(u)
         log_prob = gaussian_log_pdf(u, mean, jnp.exp(2 * log_std)) - jnp.log(1 - action**2 + 1e-6)
-        return action, log_prob.sum(-1)
+        return action, log_prob.sum(-1), GaussianTrace(mean, log_std)
 
-    def trust_region_kl(old_params, params, obs, key):
-        mean0, log_std0 = jax.lax.stop_gradient(net.apply(old_params, obs))
-        mean1, log_std1 = net.apply(params, obs)
-        var1 = jnp.exp(2 * log_std1)
+    def old_policy(old_params, obs, key, behaviour: GaussianTrace):
+        """The old (mean, log std) at these states: the rollout computed them already."""
+        return jax.lax.stop_gradient(behaviour)
+
+    def trust_region_kl(params, old_params, old: GaussianTrace, obs, new: GaussianTrace):
+        """Closed form on u: KL(old || new) (forward) or KL(new || old) (reverse); new from the loss's own sample."""
+        p, q = (old, new) if cfg.kl_direction == "forward" else (new, old)
+        var_q = jnp.exp(2 * q.log_std)
         if cfg.kl_mode == "mean":
-            return (0.5 * (mean0 - mean1) ** 2 / var1).sum(-1)
-        return gaussian_kl(mean0, jnp.exp(2 * log_std0), mean1, var1).sum(-1)
+            return (0.5 * (p.mean - q.mean) ** 2 / var_q).sum(-1)
+        return gaussian_kl(p.mean, jnp.exp(2 * p.log_std), q.mean, var_q).sum(-1)
 
     def evaluate(params, obs, key):
         if cfg.eval_mode == "stochastic":
             return sample(params, obs, key)[0]
         return jnp.tanh(net.apply(params, obs)[0])
 
-    return Actor(init, sample, trust_region_kl, evaluate)
+    return Actor(init, sample, old_policy, trust_region_kl, evaluate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -655,6 +694,7 @@ class Transition(NamedTuple):
     terminated: jax.Array
     truncated: jax.Array
     next_obs: jax.Array  # raw true next observation s'_t
+    trace: Any  # the behaviour policy's sample at s_t (its chain, or its Gaussian): one of the old samples of c(s)
 
 
 class Batch(NamedTuple):
@@ -665,18 +705,21 @@ class Batch(NamedTuple):
     next_obs: jax.Array  # normalised s_{t+1} of the same episode (where aux_mask)
     next_action: jax.Array  # a_{t+1} (where aux_mask)
     aux_mask: jax.Array  # 1 where (s_{t+1}, a_{t+1}) exist
+    old: Any  # what c(s) needs of the old policy at s_t (Actor.old_policy), fixed for the iteration
 
 
 def compute_targets(actor: Actor, critic: Critic, cfg: Config, actor_params, critic_params, norm: Normalizer,
                     traj: Transition, key) -> Batch:
     """Soft lambda-returns with the pre-update critic: r~_t = r_t - gamma alpha log pi(a'_t|s'_t) (not where
     terminated), a'_t the rollout's next action where the episode goes on (has_next), else a fresh sample at the
-    true s'_t; V(s'_t) = mean of Q(s'_t, a) over num_action_samples fresh actions."""
+    true s'_t; V(s'_t) = mean of Q(s'_t, a) over num_action_samples fresh actions. Also the old policy's part of the
+    trust region, once for the whole iteration (Actor.old_policy)."""
     T = traj.reward.shape[0]
     obs = normalize(norm, traj.obs, cfg.normalize_obs)
     next_obs = normalize(norm, traj.next_obs, cfg.normalize_obs)
+    k_old, key = jax.random.split(key)
     keys = jax.random.split(key, cfg.num_action_samples)
-    next_actions, next_log_probs = jax.vmap(lambda k: actor.sample(actor_params["policy"], next_obs, k))(keys)
+    next_actions, next_log_probs, _ = jax.vmap(lambda k: actor.sample(actor_params["policy"], next_obs, k))(keys)
     next_value = jax.vmap(lambda a: expected_q(critic.apply(critic_params, next_obs, a)[0], cfg))(next_actions)
     done = jnp.maximum(traj.terminated, traj.truncated)
     has_next = (1.0 - done) * (jnp.arange(T) < T - 1)[:, None]
@@ -686,7 +729,8 @@ def compute_targets(actor: Actor, critic: Critic, cfg: Config, actor_params, cri
     soft_reward = traj.reward - cfg.gamma * alpha * next_log_prob * (1.0 - traj.terminated)
     target = soft_lambda_return(soft_reward, next_value.mean(0), traj.terminated, traj.truncated, cfg.gamma,
                                 cfg.td_lambda)
-    return Batch(obs, traj.action, traj.reward, target, next_obs, shift(traj.action), has_next)
+    old = actor.old_policy(actor_params["policy"], obs, k_old, traj.trace)
+    return Batch(obs, traj.action, traj.reward, target, next_obs, shift(traj.action), has_next, old)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -713,12 +757,11 @@ def gated_objective(log_prob, q, kl, alpha, beta, kl_bound):
 def actor_loss(actor_params, old_actor_params, critic_params, batch: Batch, key, actor: Actor, critic: Critic,
                cfg: Config, action_size: int):
     """mean_s l(s) + alpha sg(H - H_target) - beta sg(mean c - eps), alpha, beta = exp(log-duals)."""
-    k_sample, k_kl = jax.random.split(key)
     params = actor_params["policy"]
     alpha, beta = jnp.exp(actor_params["log_alpha"]), jnp.exp(actor_params["log_beta"])
-    action, log_prob = actor.sample(params, batch.obs, k_sample)
+    action, log_prob, trace = actor.sample(params, batch.obs, key)
     q = expected_q(critic.apply(jax.lax.stop_gradient(critic_params), batch.obs, action)[0], cfg)
-    kl = actor.trust_region_kl(old_actor_params, params, batch.obs, k_kl)
+    kl = actor.trust_region_kl(params, old_actor_params, batch.old, batch.obs, trace)
     objective = gated_objective(log_prob, q, kl, jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(beta),
                                 cfg.kl_bound).mean()
     entropy = -log_prob.mean()
@@ -819,12 +862,12 @@ def collect_rollout(lr: Learner, ts: TrainState, key):
 
     def step(env_state, k):
         obs = observation(env_state.sim)
-        action, log_prob = lr.actor.sample(ts.actor_params["policy"], normalize(ts.norm, obs, cfg.normalize_obs), k)
+        action, log_prob, trace = lr.actor.sample(ts.actor_params["policy"], normalize(ts.norm, obs, cfg.normalize_obs), k)
         action = jnp.clip(action, -0.999, 0.999)
         env_state, out = env_step(env, env_state, action, reset_pool, cfg.episode_length)
         done = jnp.maximum(out.terminated, out.truncated)
         tr = Transition(obs, action, log_prob, out.reward * cfg.reward_scale, out.terminated, out.truncated,
-                        out.final_obs)
+                        out.final_obs, trace)
         reported = done * jnp.isfinite(out.episode_return)
         return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0), out.blown_up)
 

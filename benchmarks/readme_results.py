@@ -53,19 +53,51 @@ def seed_table(path: str) -> list[str]:
     return lines
 
 
-def flops_table(path: str) -> list[str]:
-    with open(path) as f:
-        rows = json.load(f)
-    names = [n for n in ("trudi", "reppo", "ppo_jax") if f"{n}_flops_per_step" in rows[0]]
-    lines = [f"FLOPs per environment step of one iteration at `--preset paper` (`{rows[0]['command']}`, "
-             f"{rows[0]['date']}): XLA's cost analysis of each piece compiled alone with its scans unrolled; the "
-             "physics' solver loops count once, so the environment share is a lower bound.", "",
-             "| task | " + " | ".join(f"{n} FLOPs/step (update share)" for n in names) + " | TruDi / REPPO |",
-             "|---|" + "---|" * (len(names) + 1)]
-    for row in rows:
-        cells = [f"{row[f'{n}_flops_per_step'] / 1e6:,.1f} M "
-                 f"({row[f'{n}_flops_per_step_pieces']['update'] / row[f'{n}_flops_per_step']:.0%})" for n in names]
-        lines.append(f"| {row['env']} | " + " | ".join(cells) + f" | {row['trudi_flops_per_step_vs_reppo']:.2f} |")
+FLOP_FILES = (("flops_paper.json", "trudi", "TruDi (K = 4)"), ("flops_paper_K1.json", "trudi", "TruDi K = 1"),
+              ("flops_paper_reverse.json", "trudi", "TruDi reverse KL"), ("flops_paper.json", "reppo", "REPPO"),
+              ("flops_paper_ppo.json", "ppo_jax", "PPO"))
+
+
+def flops_table(folder: str) -> list[str]:
+    """FLOPs per env step at --preset paper, one column per (file, runner) of FLOP_FILES that exists."""
+    columns, commands = [], []
+    for name, runner, label in FLOP_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            rows = {row["env"]: row for row in json.load(f)}
+        if f"{runner}_flops_per_step" in next(iter(rows.values())):
+            columns.append((label, runner, rows))
+            first = next(iter(rows.values()))
+            if (first["command"], first["date"]) not in commands:
+                commands.append((first["command"], first["date"]))
+    if not columns:
+        return []
+    reppo = next((rows for label, runner, rows in columns if runner == "reppo"), None)
+    lines = ["FLOPs per environment step of one iteration at `--preset paper`: XLA's cost analysis of each piece "
+             "compiled alone with its scans unrolled; the physics' solver loops count once, so the environment share "
+             "is a lower bound. In brackets: the update's share; for TruDi, × REPPO's count. Commands: "
+             + "; ".join(f"`{c}` ({d})" for c, d in commands) + ".", "",
+             "| task | " + " | ".join(label for label, _, _ in columns) + " |", "|---|" + "---|" * len(columns)]
+    for env in columns[0][2]:
+        cells = []
+        for label, runner, rows in columns:
+            flops = rows[env][f"{runner}_flops_per_step"]
+            note = f"{rows[env][f'{runner}_flops_per_step_pieces']['update'] / flops:.0%}"
+            if runner == "trudi" and reppo:
+                note += f", {flops / reppo[env]['reppo_flops_per_step']:.2f}×"
+            cells.append(f"{flops / 1e6:,.1f} M ({note})")
+        lines.append(f"| {env} | " + " | ".join(cells) + " |")
+    before = os.path.join(folder, "flops_paper_3f8fe32.json")
+    if os.path.exists(before):  # the code before the old chains were drawn once per iteration
+        with open(before) as f:
+            rows = json.load(f)
+        lines += ["", "Before the trust region's old samples were drawn once per iteration (commit 3f8fe32: K fresh old "
+                  "chains per minibatch, a second Gaussian pass; `flops_paper_3f8fe32.json`): " + "; ".join(
+                      f"{r['env']} TruDi {r['trudi_flops_per_step'] / 1e6:,.1f} M, REPPO "
+                      f"{r['reppo_flops_per_step'] / 1e6:,.1f} M ({r['trudi_flops_per_step_vs_reppo']:.2f}×)"
+                      for r in rows) + "."]
     return lines + [""]
 
 
@@ -178,9 +210,7 @@ def section() -> str:
     if cpu:
         out += ["### Speed on CPU (`benchmarks/throughput.py`)", "",
                 "Identical settings per table; compile time reported separately; runners timed alternately.", ""] + cpu
-    flops = os.path.join(RESULTS, "cpu", "flops_paper.json")
-    if os.path.exists(flops):
-        out += flops_table(flops)
+    out += flops_table(os.path.join(RESULTS, "cpu"))
     managed = run_management()
     if managed:
         out += ["### Checkpoints, devices, video", ""] + managed

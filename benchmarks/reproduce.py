@@ -3,6 +3,7 @@
     python benchmarks/reproduce.py --algo trudi --tasks cpu --seeds 3
     python benchmarks/reproduce.py --algo reppo --tasks CartpoleBalance --seeds 4 --first-seed 100 --separate-seeds
     python benchmarks/reproduce.py --algo reppo --tasks dmc --seeds 5 --preset paper
+    python benchmarks/reproduce.py --algo trudi --label trudi_reverse --kl-direction reverse --out kl.csv
     python benchmarks/reproduce.py --algo ppo --tasks brax --preset paper --out benchmarks/results/gpu/ppo_brax.csv
 
 Algorithms: `trudi` (trudi_jax.py), `reppo` (trudi_jax.py --actor gaussian), `ppo` (ppo_jax.py). The seeds of
@@ -77,6 +78,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--separate-seeds", action="store_true",
                         help="one run per seed (--seed S, no vmap) instead of one program with the seeds vmapped")
     parser.add_argument("--preset", default="cpu", choices=["cpu", "paper"])
+    parser.add_argument("--label", default=None, help="the CSV's algo column (default --algo), e.g. for a variant "
+                        "given by extra flags: --algo trudi --label trudi_reverse --kl-direction reverse")
     parser.add_argument("--out", default=None, help="CSV to append to (default benchmarks/results/<preset>/reproduce.csv)")
     args, extra = parser.parse_known_args(argv)  # anything else goes to the algorithm's own CLI
     if args.seeds < 1:
@@ -93,6 +96,7 @@ def main(argv: list[str]) -> None:
         print(f"[reproduce] {args.algo} on {env}, {args.seeds} seeds, preset {args.preset}")
         rows = run_task(args.algo, env, args.seeds, args.preset, extra, first_seed=args.first_seed,
                         separate=args.separate_seeds)
+        rows = [r | {"algo": args.label} for r in rows] if args.label else rows
         with open(out, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=FIELDS)
             if new_file:

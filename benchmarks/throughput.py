@@ -83,7 +83,8 @@ class Bench:
     json: str | None = None  # also write the results to this file
     runners: tuple[str, ...] = ("ppo_jax", "brax_ppo")  # which of: ppo_jax brax_ppo trudi reppo
     num_diffusion_steps: int = trudi_jax.Config.num_diffusion_steps  # TruDi's N
-    num_old_chains: int = trudi_jax.Config.num_old_chains  # TruDi's K
+    num_old_chains: int | None = None  # TruDi's K (None: the preset's; the cpu preset's with the bench shape)
+    kl_direction: Literal["forward", "reverse"] = "forward"  # TruDi's trust-region KL (trudi_jax --kl-direction)
     paper_networks: bool = False  # TruDi/REPPO/PPO networks (and TruDi's K) of each file's paper preset
     preset: Literal["bench", "paper"] = "bench"  # paper: every runner at its file's paper preset for the task
     # (envs, rollout, minibatches, epochs, networks, K, N; Brax PPO at ppo_jax's), the batch flags above ignored
@@ -216,13 +217,16 @@ def trudi_config(bench: Bench, env_name: str, actor: str) -> trudi_jax.Config:
     """trudi_jax's cpu-preset (or paper-preset) networks with the bench's batch shape; 'gaussian' is REPPO.
     With --preset paper: the paper preset as it is."""
     if bench.preset == "paper":
-        cfg = dataclasses.replace(trudi_jax.preset_config("paper", env_name), actor=actor)
+        cfg = trudi_jax.preset_config("paper", env_name)
+        cfg = dataclasses.replace(cfg, actor=actor, kl_direction=bench.kl_direction,
+                                  num_old_chains=bench.num_old_chains or cfg.num_old_chains)
         return block_config(trudi_jax, cfg, bench.iterations)
     base = trudi_jax.preset_config("paper", env_name) if bench.paper_networks else trudi_jax.Config()
     cfg = dataclasses.replace(base, env=env_name, actor=actor, num_envs=bench.num_envs,
                            rollout_steps=bench.rollout_steps, num_minibatches=bench.num_minibatches,
                            num_epochs=bench.num_epochs, num_diffusion_steps=bench.num_diffusion_steps,
-                           num_old_chains=base.num_old_chains if bench.paper_networks else bench.num_old_chains,
+                           num_old_chains=bench.num_old_chains or base.num_old_chains,
+                           kl_direction=bench.kl_direction,
                            total_steps=bench.iterations * bench.num_envs * bench.rollout_steps,
                            num_evals=1, num_eval_envs=1, plot=False)
     trudi_jax.validate(cfg)

@@ -20,6 +20,15 @@ def small_config(**kw):
     return T.Config(**(base | kw))
 
 
+def kl_between(actor, old, new, obs, key):
+    """c(s) the way training computes it: the old policy's sample (the rollout's), what the old policy gives the
+    trust region once per iteration, and the new policy's own sample in the actor loss."""
+    k_roll, k_old, k_new = jax.random.split(key, 3)
+    behaviour = actor.sample(old, obs, k_roll)[2]
+    old_part = actor.old_policy(old, obs, k_old, behaviour)
+    return actor.trust_region_kl(new, old, old_part, obs, actor.sample(new, obs, k_new)[2])
+
+
 def perturbed(params, key, scale=0.3):
     """Every leaf moved by N(0, scale^2): a generic 'new' policy."""
     leaves, tree = jax.tree.flatten(params)
@@ -110,39 +119,68 @@ def test_closed_form_step_kl_matches_monte_carlo():
     np.testing.assert_allclose(T.gaussian_kl(m0, v0, m1, v1), monte_carlo, rtol=1e-2)
 
 
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
 @pytest.mark.parametrize("actor_kind", ["diffusion", "gaussian"])
 @pytest.mark.parametrize("kl_mode", ["full", "mean"])
-def test_chain_kl_zero_when_unchanged_and_positive_after_change(actor_kind, kl_mode):
-    cfg = small_config(actor=actor_kind, kl_mode=kl_mode)
+def test_chain_kl_zero_when_unchanged_and_positive_after_change(actor_kind, kl_mode, direction):
+    cfg = small_config(actor=actor_kind, kl_mode=kl_mode, kl_direction=direction)
     actor = T.make_actor(cfg, OBS, ACT)
     params = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))  # non-zero control
     obs = jax.random.normal(jax.random.PRNGKey(2), (32, OBS))
-    same = actor.trust_region_kl(params, params, obs, jax.random.PRNGKey(3))
-    changed = actor.trust_region_kl(params, perturbed(params, jax.random.PRNGKey(4), 0.1), obs, jax.random.PRNGKey(3))
+    same = kl_between(actor, params, params, obs, jax.random.PRNGKey(3))
+    changed = kl_between(actor, params, perturbed(params, jax.random.PRNGKey(4), 0.1), obs, jax.random.PRNGKey(3))
     assert same.shape == (32,)
     np.testing.assert_allclose(same, 0.0, atol=1e-6)
     assert np.all(np.asarray(changed) > 0)
 
 
-def test_chain_kl_includes_variance_terms_of_learned_friction():
-    cfg = small_config()
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_chain_kl_includes_variance_terms_of_learned_friction(direction):
+    cfg = small_config(kl_direction=direction)
     actor = T.make_diffusion_actor(cfg, OBS, ACT)
     params = actor.init(jax.random.PRNGKey(0))
     new = dict(params, friction=params["friction"] + 0.5)  # only eta changes; the means change too
     obs = jax.random.normal(jax.random.PRNGKey(2), (16, OBS))
-    full = actor.trust_region_kl(params, new, obs, jax.random.PRNGKey(3))
-    mean_only = T.make_diffusion_actor(small_config(kl_mode="mean"), OBS, ACT).trust_region_kl(
-        params, new, obs, jax.random.PRNGKey(3))
+    full = kl_between(actor, params, new, obs, jax.random.PRNGKey(3))
+    mean_only = kl_between(T.make_diffusion_actor(small_config(kl_mode="mean", kl_direction=direction), OBS, ACT),
+                           params, new, obs, jax.random.PRNGKey(3))
     assert np.all(np.asarray(full) > np.asarray(mean_only))
 
 
 def test_chain_kl_is_sum_over_steps_of_closed_form_kl():
-    eta_old, eta_new = jnp.array([[0.2], [0.1]]), jnp.array([[0.3], [0.05]])
-    old = T.Chain(jnp.zeros((3, 1, 1)), jnp.array([[[0.5]], [[-1.0]]]), eta_old)
-    new_means = jnp.array([[[0.1]], [[-0.2]]])
-    expected = sum(T.gaussian_kl(old.means[n, 0, 0], 2 * eta_old[n, 0], new_means[n, 0, 0], 2 * eta_new[n, 0])
+    eta_p, eta_q = jnp.array([[0.2], [0.1]]), jnp.array([[0.3], [0.05]])
+    p_means, q_means = jnp.array([[[0.5], [-1.0]]]), jnp.array([[[0.1], [-0.2]]])  # [B=1, N=2, d=1]
+    expected = sum(T.gaussian_kl(p_means[0, n, 0], 2 * eta_p[n, 0], q_means[0, n, 0], 2 * eta_q[n, 0])
                    for n in range(2))
-    np.testing.assert_allclose(T.chain_kl(old, new_means, eta_new)[0], expected, rtol=1e-6)
+    np.testing.assert_allclose(T.chain_kl(p_means, eta_p, q_means, eta_q)[0], expected, rtol=1e-6)
+    mean_term = sum(0.5 * (p_means[0, n, 0] - q_means[0, n, 0]) ** 2 / (2 * eta_q[n, 0]) for n in range(2))
+    np.testing.assert_allclose(T.chain_kl(p_means, eta_p, q_means, eta_q, "mean")[0], mean_term, rtol=1e-6)
+
+
+def test_old_chains_are_the_rollouts_own_chain_and_fresh_ones():
+    """Forward KL: old_policy returns K chains per state, the first the rollout's own (bit for bit), the others
+    fresh old-policy chains (their kernel means are the old kernels at their states, their noise differs)."""
+    cfg = small_config(num_old_chains=3)
+    actor = T.make_diffusion_actor(cfg, OBS, ACT)
+    old = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
+    obs = jax.random.normal(jax.random.PRNGKey(2), (4, 6, OBS))  # [T, B, obs] as in compute_targets
+    behaviour = actor.sample(old, obs, jax.random.PRNGKey(3))[2]
+    chains = actor.old_policy(old, obs, jax.random.PRNGKey(4), behaviour)
+    N = cfg.num_diffusion_steps
+    assert chains.xs.shape == (4, 6, 3, N + 1, ACT) and chains.means.shape == (4, 6, 3, N, ACT)
+    np.testing.assert_array_equal(chains.xs[:, :, 0], behaviour.xs)
+    np.testing.assert_array_equal(chains.means[:, :, 0], behaviour.means)
+    assert np.all(np.abs(np.asarray(chains.xs[:, :, 1, -1] - chains.xs[:, :, 2, -1])) > 0)
+    net, eta = T.ControlNet(cfg.actor_hidden, ACT, cfg.control_clip), (
+        T.time_steps(N, cfg.total_time, cfg.schedule)[:, None] / jax.nn.softplus(old["friction"]))
+    for k in (1, 2):
+        for n in range(N):
+            x = chains.xs[:, :, k, n]
+            u = net.apply(old["control"], x, obs, jnp.broadcast_to(T.step_embedding(N)[n], x.shape[:-1] + (8,)))
+            np.testing.assert_allclose(chains.means[:, :, k, n], T.kernel_mean(x, u, eta[n], cfg.prior_std),
+                                       rtol=1e-5, atol=1e-5)
+    reverse = T.make_diffusion_actor(small_config(kl_direction="reverse"), OBS, ACT)
+    assert reverse.old_policy(old, obs, jax.random.PRNGKey(4), behaviour) == ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,17 +269,20 @@ def test_gradients_reach_every_denoising_step():
     assert np.all(np.abs(np.asarray(grads)) > 1e-4)
 
 
-def test_actor_loss_gradient_reaches_control_net_friction_and_duals():
-    cfg = small_config()
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_actor_loss_gradient_reaches_control_net_friction_and_duals(direction):
+    cfg = small_config(kl_direction=direction)
     actor, critic = T.make_diffusion_actor(cfg, OBS, ACT), T.Critic(cfg.critic_hidden, cfg.num_bins)
     policy = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1), 0.1)
     params = {"policy": policy, "log_alpha": jnp.log(0.1), "log_beta": jnp.log(0.1)}
     critic_params = critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
     obs = jax.random.normal(jax.random.PRNGKey(3), (16, OBS))
-    batch = T.Batch(obs, jnp.zeros((16, ACT)), jnp.zeros(16), jnp.zeros(16), obs, jnp.zeros((16, ACT)), jnp.ones(16))
+    old_policy = perturbed(policy, jax.random.PRNGKey(5), 0.05)
+    old = actor.old_policy(old_policy, obs, jax.random.PRNGKey(6), actor.sample(old_policy, obs, jax.random.PRNGKey(7))[2])
+    batch = T.Batch(obs, jnp.zeros((16, ACT)), jnp.zeros(16), jnp.zeros(16), obs, jnp.zeros((16, ACT)), jnp.ones(16),
+                    old)
     grads, metrics = jax.grad(T.actor_loss, has_aux=True)(
-        params, perturbed(policy, jax.random.PRNGKey(5), 0.05), critic_params, batch, jax.random.PRNGKey(4), actor,
-        critic, cfg, ACT)
+        params, old_policy, critic_params, batch, jax.random.PRNGKey(4), actor, critic, cfg, ACT)
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         assert np.any(np.asarray(g) != 0), f"no gradient reaches {jax.tree_util.keystr(path)}"
     assert metrics["kl"] > 0
@@ -257,7 +298,7 @@ def test_tanh_gaussian_log_prob_is_the_change_of_variables_density():
     actor = T.make_gaussian_actor(cfg, OBS, ACT)
     params = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
     obs = jax.random.normal(jax.random.PRNGKey(2), (256, OBS))
-    action, log_prob = actor.sample(params, obs, jax.random.PRNGKey(3))
+    action, log_prob, _ = actor.sample(params, obs, jax.random.PRNGKey(3))
     mean, log_std = (np.asarray(x, np.float64) for x in T.GaussianActor(cfg.actor_hidden, ACT).apply(params, obs))
     a = np.asarray(action, np.float64)
     keep = np.all(np.abs(a) < 0.99, -1)  # artanh is ill-conditioned in float32 near +-1
@@ -276,11 +317,13 @@ def monte_carlo_kl(log_p, log_q, samples):
     return np.mean(log_p(samples) - log_q(samples), 0)
 
 
-def test_trust_region_kl_is_old_to_new_for_both_actors():
-    """c(s) = KL(pi_old || pi_new): the expectation is under the OLD policy. Checked against Monte Carlo
-    estimates of both directions, with old and new variances different enough that the directions differ."""
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_trust_region_kl_is_old_to_new_for_both_actors(direction):
+    """c(s) = KL(pi_old || pi_new) (forward: the expectation is under the OLD policy), or KL(pi_new || pi_old) with
+    --kl-direction reverse. Checked against Monte Carlo estimates of both directions, with old and new variances
+    different enough that the directions differ; the code must match its own direction."""
     # Gaussian actor: closed form on the pre-tanh variable u.
-    cfg = small_config(actor="gaussian")
+    cfg = small_config(actor="gaussian", kl_direction=direction)
     actor = T.make_gaussian_actor(cfg, OBS, ACT)
     old = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
     new = perturbed(old, jax.random.PRNGKey(2), 0.3)
@@ -294,15 +337,17 @@ def test_trust_region_kl_is_old_to_new_for_both_actors():
     forward = monte_carlo_kl(log_old, log_new, rng.normal(m0, np.exp(ls0), (200_000,) + m0.shape))
     reverse = monte_carlo_kl(log_new, log_old, rng.normal(m1, np.exp(ls1), (200_000,) + m1.shape))
     assert np.all(np.abs(forward - reverse) > 0.1 * forward)  # the two directions are told apart
-    np.testing.assert_allclose(actor.trust_region_kl(old, new, obs, None), forward, rtol=0.03)
+    expected = forward if direction == "forward" else reverse
+    np.testing.assert_allclose(kl_between(actor, old, new, obs, jax.random.PRNGKey(9)), expected, rtol=0.03)
     # Diffusion actor, one denoising step: x0 from the prior, x1 ~ F(.|x0); old and new differ in friction
-    # (variance) and control (mean). KL of the joint law of (x0, x1) = E_{x0} KL(F_old(.|x0) || F_new(.|x0)).
-    cfg = small_config(num_diffusion_steps=1, num_old_chains=20_000)
+    # (variance) and control (mean). KL of the joint law of (x0, x1) = E_{x0} KL(F_old(.|x0) || F_new(.|x0))
+    # (x0 has the same prior under both). c(s) averaged over 50,000 copies of one state, 2 old chains each.
+    cfg = small_config(num_diffusion_steps=1, num_old_chains=2, kl_direction=direction)
     actor = T.make_diffusion_actor(cfg, OBS, ACT)
     old = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1), 0.2)
     new = dict(perturbed(old, jax.random.PRNGKey(2), 0.2), friction=old["friction"] + 1.0)
     obs = jax.random.normal(jax.random.PRNGKey(3), (1, OBS))
-    c = float(actor.trust_region_kl(old, new, obs, jax.random.PRNGKey(4))[0])
+    c = float(kl_between(actor, old, new, jnp.broadcast_to(obs, (50_000, OBS)), jax.random.PRNGKey(4)).mean())
     net = T.ControlNet(cfg.actor_hidden, ACT, cfg.control_clip)
     dt, emb = T.time_steps(1, cfg.total_time, cfg.schedule), T.step_embedding(1)
 
@@ -318,7 +363,7 @@ def test_trust_region_kl_is_old_to_new_for_both_actors():
     forward = monte_carlo_kl(log_f(mo, vo), log_f(mn, vn), rng.normal(mo, np.sqrt(vo))[None]).mean()
     reverse = monte_carlo_kl(log_f(mn, vn), log_f(mo, vo), rng.normal(mn, np.sqrt(vn))[None]).mean()
     assert abs(forward - reverse) > 0.1 * forward
-    np.testing.assert_allclose(c, forward, rtol=0.03)
+    np.testing.assert_allclose(c, forward if direction == "forward" else reverse, rtol=0.03)
 
 
 @pytest.mark.parametrize("entropy_above_target", [True, False])
@@ -333,7 +378,8 @@ def test_duals_move_towards_their_targets(entropy_above_target, kl_above_bound):
     params = {"policy": policy, "log_alpha": jnp.log(0.1), "log_beta": jnp.log(0.1)}
     critic_params = critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
     obs = jax.random.normal(jax.random.PRNGKey(3), (64, OBS))
-    batch = T.Batch(obs, jnp.zeros((64, ACT)), jnp.zeros(64), jnp.zeros(64), obs, jnp.zeros((64, ACT)), jnp.ones(64))
+    batch = T.Batch(obs, jnp.zeros((64, ACT)), jnp.zeros(64), jnp.zeros(64), obs, jnp.zeros((64, ACT)), jnp.ones(64),
+                    T.GaussianTrace(*T.GaussianActor(cfg.actor_hidden, ACT).apply(old, obs)))
     grads, metrics = jax.grad(T.actor_loss, has_aux=True)(params, old, critic_params, batch, jax.random.PRNGKey(4),
                                                           actor, critic, cfg, ACT)
     entropy_target = -cfg.ent_target_mult * ACT
@@ -357,15 +403,16 @@ def test_targets_on_a_hand_computed_three_step_rollout():
     import types
     cfg = T.Config(vmin=0.0, vmax=10.0, num_bins=11, gamma=0.9, td_lambda=0.5, normalize_obs=False,
                    num_action_samples=2)
-    fresh = T.Actor(None, lambda params, obs, key: (jnp.zeros(obs.shape[:-1] + (1,)), jnp.full(obs.shape[:-1], -2.0)),
-                    None, None)
+    fresh = T.Actor(None, lambda params, obs, key: (jnp.zeros(obs.shape[:-1] + (1,)), jnp.full(obs.shape[:-1], -2.0), ()),
+                    lambda params, obs, key, trace: (), None, None)
     # Q(s, a) = the atom indexed by s[0]: a categorical critic with all its mass on one atom
     one_atom = types.SimpleNamespace(apply=lambda params, obs, action: (
         jnp.where(jnp.arange(11) == obs[..., :1], 0.0, -1e4), None))
     col = lambda *v: jnp.array(v, jnp.float32)[:, None]
     traj = T.Transition(obs=jnp.zeros((3, 1, 1)), action=jnp.array([0.1, 0.2, 0.3])[:, None, None],
                         log_prob=col(-1.0, -1.5, -0.5), reward=col(1.0, 2.0, 4.0), terminated=col(0.0, 0.0, 1.0),
-                        truncated=col(0.0, 1.0, 0.0), next_obs=jnp.array([3.0, 5.0, 7.0])[:, None, None])
+                        truncated=col(0.0, 1.0, 0.0), next_obs=jnp.array([3.0, 5.0, 7.0])[:, None, None],
+                        trace=())
     batch = T.compute_targets(fresh, one_atom, cfg, {"policy": None, "log_alpha": jnp.log(0.5)}, None,
                               T.normalizer_init(1), traj, jax.random.PRNGKey(0))
     np.testing.assert_allclose(batch.target[:, 0], [6.355, 7.4, 4.0], rtol=1e-5)
