@@ -90,7 +90,7 @@ class Config:
     kl_bound: float = 0.1  # epsilon: per-state KL bound of the gate
     kl_mode: Literal["full", "mean"] = "full"  # full Gaussian KL per step, or its mean term only
     num_old_chains: int = 1  # K: old-policy chains per state for the KL c(s): the rollout's own and K-1 fresh ones
-    kl_direction: Literal["forward", "reverse"] = "forward"  # c(s) = KL(old||new) over old chains, or KL(new||old) along the loss's chain
+    kl_direction: Literal["forward", "reverse"] = "forward"  # c(s): KL(old||new) over old chains; reverse: KL(new||old)
     kl_start: float = 0.01  # initial beta (KL multiplier)
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
@@ -545,7 +545,7 @@ class Actor(NamedTuple):
     """The policy interface the losses use, for either actor."""
     init: Callable  # key -> params
     sample: Callable  # (params, obs, key) -> (action, log_prob, trace), reparameterised
-    old_policy: Callable  # (old params, obs, key, the rollout's trace) -> what c(s) needs of the old policy, once per iteration
+    old_policy: Callable  # (old params, obs, key, rollout's trace) -> what c(s) needs of the old policy (per iteration)
     trust_region_kl: Callable  # (params, old params, old, obs, trace of the loss's sample) -> c(s)
     evaluate: Callable  # (params, obs, key) -> action for evaluation
 
@@ -862,7 +862,8 @@ def collect_rollout(lr: Learner, ts: TrainState, key):
 
     def step(env_state, k):
         obs = observation(env_state.sim)
-        action, log_prob, trace = lr.actor.sample(ts.actor_params["policy"], normalize(ts.norm, obs, cfg.normalize_obs), k)
+        policy = ts.actor_params["policy"]
+        action, log_prob, trace = lr.actor.sample(policy, normalize(ts.norm, obs, cfg.normalize_obs), k)
         action = jnp.clip(action, -0.999, 0.999)
         env_state, out = env_step(env, env_state, action, reset_pool, cfg.episode_length)
         done = jnp.maximum(out.terminated, out.truncated)

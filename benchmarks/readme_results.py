@@ -17,7 +17,8 @@ import statistics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 START, END = "<!-- results:start (benchmarks/readme_results.py) -->", "<!-- results:end -->"
-ALGO_LABELS = {"trudi": "TruDi", "reppo": "REPPO (`--actor gaussian`)", "ppo": "PPO (`ppo_jax.py`)"}
+ALGO_LABELS = {"trudi": "TruDi", "trudi_reverse": "TruDi, `--kl-direction reverse`", "reppo": "REPPO (`--actor gaussian`)",
+               "ppo": "PPO (`ppo_jax.py`)"}
 
 
 def seed_table(path: str) -> list[str]:
@@ -27,7 +28,7 @@ def seed_table(path: str) -> list[str]:
     lines = ["| task | algorithm | seeds >= 950 | first eval >= 950, per seed (env steps) | lowest eval after it | "
              "final eval, per seed | median per-iteration KL | wall s per seed (median) |", "|---|---|---|---|---|---|---|---|"]
     for env in sorted({r["env"] for r in rows}):
-        for algo in ("trudi", "reppo", "ppo"):
+        for algo in ALGO_LABELS:
             runs = {}
             for r in rows:
                 if r["env"] == env and r["algo"] == algo:

@@ -137,6 +137,14 @@ def test_gaussian_actor_rows_are_finite_and_per_seed(full_run):
 
 
 @ALGOS
+def test_curve_of_a_run_is_written_as_png(algo, full_run, tmp_path):
+    _, rows = full_run(algo)
+    algo.plot_curve(rows, str(tmp_path / "curve.png"), "title")
+    with open(tmp_path / "curve.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@ALGOS
 def test_last_checkpoints_are_kept(algo, full_run):
     """--keep-checkpoints 2: the newest as checkpoint.msgpack, the one before as checkpoint_<env steps>.msgpack."""
     cfg, _ = full_run(algo)

@@ -1,4 +1,6 @@
 """Tests of trudi_jax.py that mirror the equations of docs/algorithm.md, one test per equation or invariant."""
+import contextlib
+import csv
 import os
 import subprocess
 import sys
@@ -278,7 +280,8 @@ def test_actor_loss_gradient_reaches_control_net_friction_and_duals(direction):
     critic_params = critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
     obs = jax.random.normal(jax.random.PRNGKey(3), (16, OBS))
     old_policy = perturbed(policy, jax.random.PRNGKey(5), 0.05)
-    old = actor.old_policy(old_policy, obs, jax.random.PRNGKey(6), actor.sample(old_policy, obs, jax.random.PRNGKey(7))[2])
+    behaviour = actor.sample(old_policy, obs, jax.random.PRNGKey(7))[2]
+    old = actor.old_policy(old_policy, obs, jax.random.PRNGKey(6), behaviour)
     batch = T.Batch(obs, jnp.zeros((16, ACT)), jnp.zeros(16), jnp.zeros(16), obs, jnp.zeros((16, ACT)), jnp.ones(16),
                     old)
     grads, metrics = jax.grad(T.actor_loss, has_aux=True)(
@@ -403,8 +406,8 @@ def test_targets_on_a_hand_computed_three_step_rollout():
     import types
     cfg = T.Config(vmin=0.0, vmax=10.0, num_bins=11, gamma=0.9, td_lambda=0.5, normalize_obs=False,
                    num_action_samples=2)
-    fresh = T.Actor(None, lambda params, obs, key: (jnp.zeros(obs.shape[:-1] + (1,)), jnp.full(obs.shape[:-1], -2.0), ()),
-                    lambda params, obs, key, trace: (), None, None)
+    sample = lambda params, obs, key: (jnp.zeros(obs.shape[:-1] + (1,)), jnp.full(obs.shape[:-1], -2.0), ())
+    fresh = T.Actor(None, sample, lambda params, obs, key, trace: (), None, None)
     # Q(s, a) = the atom indexed by s[0]: a categorical critic with all its mass on one atom
     one_atom = types.SimpleNamespace(apply=lambda params, obs, action: (
         jnp.where(jnp.arange(11) == obs[..., :1], 0.0, -1e4), None))
@@ -464,24 +467,43 @@ def test_cli_rejects_bad_input_with_one_line(args, needle, tmp_path):
 STEPS_PER_LOG_POINT = 59 * 64 * 32
 
 
+class FirstPass(Exception):
+    """Raised from the log callback at a run's first evaluation >= 950: the rest of its budget is not needed."""
+
+
+def stop_at_first_pass(line: str) -> None:
+    if " | eval " in line and float(line.split(" | eval ")[1].split(" |")[0]) >= 950:
+        raise FirstPass
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("actor,log_points", [("diffusion", 4), ("gaussian", 6)])
 def test_cpu_preset_learns_cartpole_balance_on_all_but_one_seed(actor, log_points, tmp_path, monkeypatch):
-    """Three single-seed runs of the cpu preset (seeds 100-102, not the ones it was chosen on), each the README's
-    command cut after `log_points` evaluations: all but one seed pass 950 by then (a zero action scores ~697),
-    inside the trust region (median per-iteration KL <= 2 epsilon). Measured 2026-12-04 on seeds 100-103
-    (benchmarks/results/cpu/reproduce.csv): see the README's learning table; the budgets here sit well past the
-    measured median first pass (TruDi 483k, REPPO 725k = 60 % of the preset's 1.2M). A single seed's course
-    depends on the machine's floating-point details, hence the claim about seeds."""
+    """Seeds 100-102 of the cpu preset (not the ones it was chosen on), each the README's single-seed command cut
+    after `log_points` evaluations: all but one seed pass 950 by then (a zero action scores ~697), inside the trust
+    region (median per-iteration KL <= 2 epsilon). A run stops at its first evaluation >= 950, and no further seed
+    runs once the outcome is decided: the same claim at a fraction of the cost. Measured on seeds 100-103, one run
+    per seed (benchmarks/results/cpu/reproduce.csv and reproduce_3f8fe32.csv, two random streams): TruDi first
+    passes 950 at 241k-362k on all 8 runs, REPPO at 362k-845k (median 604k); the budgets (483k, 725k) sit well
+    past TruDi's and past REPPO's median. A single seed's course depends on the machine's floating-point details
+    (vmapping the seeds instead gave no speed on 2 cores: 3.9k env steps/s for 4 TruDi seeds together, as for one
+    alone), hence the claim about seeds."""
     monkeypatch.chdir(tmp_path)  # MuJoCo writes MUJOCO_LOG.TXT into the working directory
-    best, kls = {}, []
+    passed, failed, kls = [], [], []
     for seed in (100, 101, 102):
+        if len(passed) >= 2 or len(failed) >= 2:  # decided
+            break
+        out = tmp_path / f"run{seed}"
         cfg = T.parse_config(["--env", "CartpoleBalance", "--preset", "cpu", "--actor", actor, "--seed", str(seed),
                               "--total-steps", str(log_points * STEPS_PER_LOG_POINT), "--num-evals", str(log_points),
-                              "--num-eval-envs", "16", "--out-dir", str(tmp_path / f"run{seed}"), "--no-plot"])
+                              "--num-eval-envs", "16", "--out-dir", str(out), "--no-plot"])
         assert T.chunk_iterations(cfg) == 59  # the CLI's chunking, so the CLI's random stream
-        rows = T.train(cfg, log=lambda line: None)
-        best[seed] = max(r["eval_return"] for r in rows)
-        kls += [r["kl_median"] for r in rows]
-    assert sum(b >= 950 for b in best.values()) >= 2, best
+        with contextlib.suppress(FirstPass):
+            T.train(cfg, log=stop_at_first_pass)
+        with open(out / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        best = max(float(r["eval_return"]) for r in rows)
+        (passed if best >= 950 else failed).append((seed, round(best), int(rows[-1]["env_steps"])))
+        kls += [float(r["kl_median"]) for r in rows]
+    assert len(passed) >= 2, (passed, failed)
     assert np.median(kls) <= 2 * cfg.kl_bound  # the trust region holds
