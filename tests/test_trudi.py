@@ -126,7 +126,7 @@ def test_closed_form_step_kl_matches_monte_carlo():
 @pytest.mark.parametrize("kl_mode", ["full", "mean"])
 def test_chain_kl_zero_when_unchanged_and_positive_after_change(actor_kind, kl_mode, direction):
     cfg = small_config(actor=actor_kind, kl_mode=kl_mode, kl_direction=direction)
-    actor = T.make_actor(cfg, OBS, ACT)
+    actor = T.make_actor(cfg, T.Env(None, None, OBS, ACT))
     params = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))  # non-zero control
     obs = jax.random.normal(jax.random.PRNGKey(2), (32, OBS))
     same = kl_between(actor, params, params, obs, jax.random.PRNGKey(3))
