@@ -94,6 +94,7 @@ class Config:
     kl_mode: Literal["full", "mean"] = "full"  # full Gaussian KL per step, or its mean term only
     num_old_chains: int = 1  # K: old-policy chains per state for the KL c(s): the rollout's own and K-1 fresh ones
     kl_direction: Literal["forward", "reverse"] = "forward"  # c(s): KL(old||new) over old chains; reverse: KL(new||old)
+    kl_samples: int = 4  # Gaussian actor: c(s) by this many action samples, clipped, as REPPO's code (0: closed form)
     kl_start: float = 0.01  # initial beta (KL multiplier)
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
@@ -198,6 +199,9 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         (cfg.num_old_chains > 0 and cfg.num_action_samples > 0,
          "--num-old-chains and --num-action-samples must be positive"),
         (cfg.kl_bound > 0, f"--kl-bound must be positive, got {cfg.kl_bound}"),
+        (cfg.kl_samples >= 0, f"--kl-samples must be >= 0 (0: closed form), got {cfg.kl_samples}"),
+        (cfg.actor != "gaussian" or cfg.kl_samples == 0 or cfg.kl_mode == "full",
+         "--kl-mode mean is a closed form: with --actor gaussian it needs --kl-samples 0"),
         (cfg.vmax > cfg.vmin and cfg.num_bins > 1, "--vmax must exceed --vmin and --num-bins must exceed 1"),
         (cfg.num_evals > 0 and cfg.num_eval_envs > 0, "--num-evals and --num-eval-envs must be positive"),
         (len(cfg.actor_hidden) > 0 and min(cfg.actor_hidden) > 0, f"--actor-hidden needs one or more positive widths, got {cfg.actor_hidden}"),
@@ -626,7 +630,7 @@ class Actor(NamedTuple):
     init: Callable  # key -> params
     sample: Callable  # (params, obs, key) -> (action, log_prob, trace), reparameterised
     old_policy: Callable  # (old params, obs, key, rollout's trace) -> what c(s) needs of the old policy (per iteration)
-    trust_region_kl: Callable  # (params, old params, old, obs, trace of the loss's sample) -> c(s)
+    trust_region_kl: Callable  # (params, old params, old, obs, trace of the loss's sample, key) -> c(s)
     evaluate: Callable  # (params, obs, key) -> action for evaluation
 
 
@@ -678,7 +682,7 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=Non
             chains = jax.tree.map(lambda b, f: jnp.concatenate([b, jnp.moveaxis(f, 0, -3)], -3), chains, fresh)
         return jax.lax.stop_gradient(chains)
 
-    def trust_region_kl(params, old_params, old, obs, new: ChainTrace):
+    def trust_region_kl(params, old_params, old, obs, new: ChainTrace, key=None):
         """Forward: (1/K) sum_k KL(old || new) at the K old chains' states, every new kernel in one call. Reverse:
         KL(new || old) along the new (reparameterised) chain, the old kernels evaluated at its states."""
         if cfg.kl_direction == "reverse":
@@ -715,13 +719,23 @@ def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int, reads=None
         """The old (mean, log std) at these states: the rollout computed them already."""
         return jax.lax.stop_gradient(behaviour)
 
-    def trust_region_kl(params, old_params, old: GaussianTrace, obs, new: GaussianTrace):
-        """Closed form on u: KL(old || new) (forward) or KL(new || old) (reverse); new from the loss's own sample."""
+    def trust_region_kl(params, old_params, old: GaussianTrace, obs, new: GaussianTrace, key=None):
+        """KL(old || new) (forward) or KL(new || old) (reverse); new from the loss's own sample. --kl-samples 0: the
+        closed form on u (exact: KL does not change under tanh). M > 0, REPPO's estimator: the mean of
+        log p(a_m) - log q(a_m) over M actions a_m ~ p, with q's log-density taken at a_m clipped to
+        +-(1 - 1e-4), i.e. |u| <= 4.95, which caps the terms of samples deep in tanh's saturation."""
         p, q = (old, new) if cfg.kl_direction == "forward" else (new, old)
-        var_q = jnp.exp(2 * q.log_std)
+        var_p, var_q = jnp.exp(2 * p.log_std), jnp.exp(2 * q.log_std)
+        if cfg.kl_samples > 0:
+            u = p.mean + jnp.exp(p.log_std) * jax.random.normal(key, (cfg.kl_samples,) + p.mean.shape)
+            a = jnp.tanh(u)
+            u_q = jnp.arctanh(jnp.clip(a, -1 + 1e-4, 1 - 1e-4))
+            log_p = gaussian_log_pdf(u, p.mean, var_p) - jnp.log(1 - a**2 + 1e-6)
+            log_q = gaussian_log_pdf(u_q, q.mean, var_q) - jnp.log(1 - jnp.tanh(u_q) ** 2 + 1e-6)
+            return (log_p - log_q).sum(-1).mean(0)
         if cfg.kl_mode == "mean":
             return (0.5 * (p.mean - q.mean) ** 2 / var_q).sum(-1)
-        return gaussian_kl(p.mean, jnp.exp(2 * p.log_std), q.mean, var_q).sum(-1)
+        return gaussian_kl(p.mean, var_p, q.mean, var_q).sum(-1)
 
     def evaluate(params, obs, key):
         if cfg.eval_mode == "stochastic":
@@ -841,7 +855,7 @@ def actor_loss(actor_params, old_actor_params, critic_params, batch: Batch, key,
     alpha, beta = jnp.exp(actor_params["log_alpha"]), jnp.exp(actor_params["log_beta"])
     action, log_prob, trace = actor.sample(params, batch.obs, key)
     q = expected_q(critic.apply(jax.lax.stop_gradient(critic_params), batch.obs, action)[0], cfg)
-    kl = actor.trust_region_kl(params, old_actor_params, batch.old, batch.obs, trace)
+    kl = actor.trust_region_kl(params, old_actor_params, batch.old, batch.obs, trace, jax.random.fold_in(key, 1))
     objective = gated_objective(log_prob, q, kl, jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(beta),
                                 cfg.kl_bound).mean()
     entropy = -log_prob.mean()

@@ -1,6 +1,7 @@
 """Tests of trudi_jax.py that mirror the equations of docs/algorithm.md, one test per equation or invariant."""
 import contextlib
 import csv
+import dataclasses
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def kl_between(actor, old, new, obs, key):
     k_roll, k_old, k_new = jax.random.split(key, 3)
     behaviour = actor.sample(old, obs, k_roll)[2]
     old_part = actor.old_policy(old, obs, k_old, behaviour)
-    return actor.trust_region_kl(new, old, old_part, obs, actor.sample(new, obs, k_new)[2])
+    return actor.trust_region_kl(new, old, old_part, obs, actor.sample(new, obs, k_new)[2], jax.random.fold_in(k_new, 1))
 
 
 def perturbed(params, key, scale=0.3):
@@ -125,7 +126,7 @@ def test_closed_form_step_kl_matches_monte_carlo():
 @pytest.mark.parametrize("actor_kind", ["diffusion", "gaussian"])
 @pytest.mark.parametrize("kl_mode", ["full", "mean"])
 def test_chain_kl_zero_when_unchanged_and_positive_after_change(actor_kind, kl_mode, direction):
-    cfg = small_config(actor=actor_kind, kl_mode=kl_mode, kl_direction=direction)
+    cfg = small_config(actor=actor_kind, kl_mode=kl_mode, kl_direction=direction, kl_samples=0)
     actor = T.make_actor(cfg, T.Env(None, None, OBS, ACT))
     params = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))  # non-zero control
     obs = jax.random.normal(jax.random.PRNGKey(2), (32, OBS))
@@ -325,8 +326,8 @@ def test_trust_region_kl_is_old_to_new_for_both_actors(direction):
     """c(s) = KL(pi_old || pi_new) (forward: the expectation is under the OLD policy), or KL(pi_new || pi_old) with
     --kl-direction reverse. Checked against Monte Carlo estimates of both directions, with old and new variances
     different enough that the directions differ; the code must match its own direction."""
-    # Gaussian actor: closed form on the pre-tanh variable u.
-    cfg = small_config(actor="gaussian", kl_direction=direction)
+    # Gaussian actor: closed form on the pre-tanh variable u (--kl-samples 0).
+    cfg = small_config(actor="gaussian", kl_direction=direction, kl_samples=0)
     actor = T.make_gaussian_actor(cfg, OBS, ACT)
     old = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
     new = perturbed(old, jax.random.PRNGKey(2), 0.3)
@@ -367,6 +368,28 @@ def test_trust_region_kl_is_old_to_new_for_both_actors(direction):
     reverse = monte_carlo_kl(log_f(mn, vn), log_f(mo, vo), rng.normal(mn, np.sqrt(vn))[None]).mean()
     assert abs(forward - reverse) > 0.1 * forward
     np.testing.assert_allclose(c, forward if direction == "forward" else reverse, rtol=0.03)
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_sampled_gaussian_kl_is_unbiased_and_caps_saturated_samples(direction):
+    """--kl-samples M (REPPO's estimator, the default for --actor gaussian): the mean over M actions drawn from the
+    first policy of log p(a) - log q(a). With many samples and actions away from tanh's saturation it converges to
+    the closed form in both directions; a single sample is noisy (can be negative for one state). An old mean deep
+    in saturation (u = 8): q's log-density is taken at |u| <= 4.95, so the estimate stays far below the closed form
+    (32 per dimension) instead of growing with it."""
+    cfg = small_config(actor="gaussian", kl_direction=direction, kl_samples=0)
+    old = T.GaussianTrace(jnp.array([[0.3, -0.5], [0.0, 0.8]]), jnp.log(jnp.array([[0.5, 0.4], [0.6, 0.3]])))
+    new = T.GaussianTrace(old.mean + jnp.array([[0.2, 0.1], [-0.3, 0.0]]), old.log_std + jnp.array([[0.3, -0.2], [0.0, 0.4]]))
+    closed = T.make_gaussian_actor(cfg, OBS, ACT).trust_region_kl(None, None, old, None, new)
+    sampled = lambda m, o, n, key: T.make_gaussian_actor(dataclasses.replace(cfg, kl_samples=m), OBS, ACT
+                                                         ).trust_region_kl(None, None, o, None, n, key)
+    np.testing.assert_allclose(sampled(400_000, old, new, jax.random.PRNGKey(0)), closed, rtol=0.02)
+    singles = jax.vmap(lambda k: sampled(1, old, new, k))(jax.random.split(jax.random.PRNGKey(1), 2000))
+    assert float(singles.min()) < 0 < float(closed.min())  # one sample: unbiased, not non-negative
+    saturated, centred = T.GaussianTrace(jnp.full((1, 1), 8.0), jnp.zeros((1, 1))), T.GaussianTrace(jnp.zeros((1, 1)), jnp.zeros((1, 1)))
+    if direction == "forward":  # the samples come from the saturated (old) policy
+        capped = sampled(10_000, saturated, centred, jax.random.PRNGKey(2))
+        assert np.isfinite(capped).all() and 0 < float(capped[0]) < 0.75 * 32
 
 
 @pytest.mark.parametrize("entropy_above_target", [True, False])

@@ -1,0 +1,133 @@
+"""Where the time of one minibatch update goes, piece by piece, with FLOPs and FLOP rates (issue: speed at
+the paper's sizes). At the paper preset the update is 98.5 % of TruDi's FLOPs per env step
+(results/cpu/flops_paper.json), so its pieces decide whether TruDi wastes time per FLOP against REPPO.
+
+    python benchmarks/profile_update.py                                   # TruDi and REPPO, paper preset, CartpoleBalance
+    python benchmarks/profile_update.py --json benchmarks/results/cpu/profile_update.json
+    python benchmarks/profile_update.py --runners trudi -- --num-old-chains 1  # flags after -- go to trudi_jax
+
+Each piece is jitted alone on a real minibatch (one rollout, its targets, the first minibatch of the batch) and
+timed as the median of --repeats calls after one warm-up; its FLOPs are XLA's cost analysis with scans unrolled
+(as benchmarks/throughput.py counts them). Pieces:
+  update        update_minibatch: critic gradient step, then actor gradient step (what the epochs repeat)
+  critic_grad   gradient of the critic loss
+  actor_grad    gradient of the actor loss (chain or Gaussian sample, Q, trust-region KL, duals)
+  sample_grad   gradient of the reparameterised sample alone (action and log-prob: the chain's N steps)
+  kl_grad       gradient of the trust-region KL alone (TruDi forward: new kernels at the K old chains' states)
+  q_grad        gradient of Q at the sampled action wrt the actor (the critic's forward and backward at a)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import trudi_jax as T  # noqa: E402
+from benchmarks.throughput import cost  # noqa: E402
+
+
+def minibatch_inputs(cfg: T.Config):
+    """A learner, its params (as update_minibatch takes them) and the first minibatch of one real iteration."""
+    env = T.make_env(cfg.env, cfg.backend)
+    lr = T.make_learner(cfg, env)
+    key = jax.random.PRNGKey(0)
+    ts = jax.jit(lambda k: T.init_train_state(lr, k))(key)
+    _, _, traj, _ = jax.jit(lambda ts, k: T.collect_rollout(lr, ts, k))(ts, key)
+    batch = jax.jit(lambda ts, tr, k: T.compute_targets(lr.actor, lr.critic, cfg, ts.actor_params, ts.critic_params,
+                                                        ts.norm, tr, k))(ts, traj, key)
+    size = cfg.num_envs * cfg.rollout_steps // cfg.num_minibatches
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:size], batch)
+    params = T.Params(ts.actor_params, ts.critic_params, ts.actor_opt_state, ts.critic_opt_state,
+                      ts.actor_params["policy"])
+    return lr, params, flat, key
+
+
+def pieces(lr: T.Learner, params: T.Params, mb, key) -> dict:
+    cfg, actor, critic = lr.cfg, lr.actor, lr.critic
+    policy = params.actor["policy"]
+
+    def sample_loss(p):
+        action, log_prob, _ = actor.sample(p, mb.obs, key)
+        return action.sum() + log_prob.sum()
+
+    def kl_loss(p):
+        trace = actor.sample(jax.lax.stop_gradient(p), mb.obs, key)[2]
+        return actor.trust_region_kl(p, params.old_policy, mb.old, mb.obs, trace, jax.random.fold_in(key, 1)).sum()
+
+    def q_loss(p):
+        action = actor.sample(p, mb.obs, key)[0]
+        return T.expected_q(critic.apply(params.critic, mb.obs, action)[0], cfg).sum()
+
+    return {
+        "update": (lambda p, mb, k: T.update_minibatch(lr, p, (mb, k)), (params, mb, key)),
+        "critic_grad": (lambda c, mb: jax.grad(T.critic_loss, has_aux=True)(c, mb, critic, cfg), (params.critic, mb)),
+        "actor_grad": (lambda a, mb, k: jax.grad(T.actor_loss, has_aux=True)(
+            a, params.old_policy, params.critic, mb, k, actor, critic, cfg, lr.env.action_size),
+            (params.actor, mb, key)),
+        "sample_grad": (jax.grad(sample_loss), (policy,)),
+        "kl_grad": (jax.grad(kl_loss), (policy,)),
+        "q_grad": (jax.grad(q_loss), (policy,)),
+    }
+
+
+def profile(cfg: T.Config, repeats: int, log=print) -> dict:
+    lr, params, mb, key = minibatch_inputs(cfg)
+    out = {}
+    for name, (fn, args) in pieces(lr, params, mb, key).items():
+        compiled = jax.jit(fn).lower(*args).compile()
+        jax.block_until_ready(compiled(*args))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - start)
+        flops = cost(fn, *args)["flops"]
+        seconds = statistics.median(times)
+        out[name] = {"seconds": seconds, "flops": flops, "gflop_per_s": flops / seconds / 1e9}
+        log(f"  {name:12s} {seconds * 1e3:9.1f} ms  {flops / 1e9:9.2f} GFLOP  {flops / seconds / 1e9:7.1f} GFLOP/s")
+    return out
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env", default="CartpoleBalance")
+    parser.add_argument("--preset", default="paper", choices=["cpu", "paper"])
+    parser.add_argument("--runners", nargs="+", default=["trudi", "reppo"], choices=["trudi", "reppo"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args, extra = parser.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+    result = {"env": args.env, "preset": args.preset, "extra_flags": extra, "jax": jax.__version__,
+              "device": f"{jax.devices()[0].platform} ({os.cpu_count()} cores, {platform.machine()})",
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join(["python", "benchmarks/profile_update.py", *argv])}
+    for runner in args.runners:
+        actor = "diffusion" if runner == "trudi" else "gaussian"
+        cfg = T.parse_config(["--env", args.env, "--preset", args.preset, "--actor", actor, *extra])
+        print(f"[profile] {runner}: {cfg.num_envs * cfg.rollout_steps // cfg.num_minibatches} samples per minibatch, "
+              f"actor {cfg.actor_hidden}, critic {cfg.critic_hidden}, N {cfg.num_diffusion_steps}, "
+              f"K {cfg.num_old_chains}, --kl-direction {cfg.kl_direction}", flush=True)
+        result[runner] = profile(cfg, args.repeats, log=lambda line: print(line, flush=True))
+    if "trudi" in result and "reppo" in result:
+        t, r = result["trudi"]["update"], result["reppo"]["update"]
+        result["update_time_ratio"] = t["seconds"] / r["seconds"]
+        result["update_flop_ratio"] = t["flops"] / r["flops"]
+        print(f"[profile] update: time ratio {result['update_time_ratio']:.2f}, FLOP ratio "
+              f"{result['update_flop_ratio']:.2f} ({result['update_time_ratio'] / result['update_flop_ratio']:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
