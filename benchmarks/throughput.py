@@ -9,7 +9,8 @@
 
 `--preset paper` runs every trainer at its own file's paper preset for the task (TruDi/REPPO: 1024 envs x 32 steps,
 16 minibatches, 8 epochs, 512-wide networks, N = 8, K = 4; ppo_jax and Brax's PPO: Playground's tuned settings),
-so the steps/s compare the programs users run; the batch-shape flags then do not apply.
+so the steps/s compare the programs users run; the batch-shape flags then do not apply. `--preset cpu` does the
+same with each file's cpu preset (what `benchmarks/reproduce.py --tasks cpu` runs): the cost of a task per 1M steps.
 FLOPs per environment step (`<runner>_flops_per_step`, per piece in `<runner>_flops_per_step_pieces`) come from
 XLA's cost analysis of each piece of one iteration compiled alone with its scans unrolled (the analysis counts a
 loop body once): T * (policy step + environment step) + reset-pool refresh + targets + epochs * minibatches * update.
@@ -86,7 +87,7 @@ class Bench:
     num_old_chains: int | None = None  # TruDi's K (None: the preset's; the cpu preset's with the bench shape)
     kl_direction: Literal["forward", "reverse"] = "forward"  # TruDi's trust-region KL (trudi_jax --kl-direction)
     paper_networks: bool = False  # TruDi/REPPO/PPO networks (and TruDi's K) of each file's paper preset
-    preset: Literal["bench", "paper"] = "bench"  # paper: every runner at its file's paper preset for the task
+    preset: Literal["bench", "paper", "cpu"] = "bench"  # paper/cpu: every runner at its file's preset for the task
     # (envs, rollout, minibatches, epochs, networks, K, N; Brax PPO at ppo_jax's), the batch flags above ignored
     flops: bool = True  # count FLOPs per env step with XLA's cost analysis (ppo_jax, trudi, reppo)
     flops_only: bool = False  # only count FLOPs per env step (no compile of the whole program, no timing)
@@ -109,8 +110,8 @@ def parse_bench(argv: list[str]) -> Bench:
 
 def ppo_config(bench: Bench, env_name: str) -> ppo_jax.Config:
     """ppo_jax's config for one block of bench.iterations iterations; Brax reads the same fields."""
-    if bench.preset == "paper":
-        cfg = ppo_jax.preset_config("paper", env_name)
+    if bench.preset != "bench":
+        cfg = ppo_jax.preset_config(bench.preset, env_name)
         return block_config(ppo_jax, cfg, bench.iterations)
     base = ppo_jax.preset_config("paper", env_name) if bench.paper_networks else ppo_jax.Config()
     cfg = dataclasses.replace(base, env=env_name, num_envs=bench.num_envs, rollout_steps=bench.rollout_steps,
@@ -215,9 +216,9 @@ def flop_count(module, cfg) -> dict:
 
 def trudi_config(bench: Bench, env_name: str, actor: str) -> trudi_jax.Config:
     """trudi_jax's cpu-preset (or paper-preset) networks with the bench's batch shape; 'gaussian' is REPPO.
-    With --preset paper: the paper preset as it is."""
-    if bench.preset == "paper":
-        cfg = trudi_jax.preset_config("paper", env_name)
+    With --preset paper or cpu: that preset as it is."""
+    if bench.preset != "bench":
+        cfg = trudi_jax.preset_config(bench.preset, env_name)
         cfg = dataclasses.replace(cfg, actor=actor, kl_direction=bench.kl_direction,
                                   num_old_chains=bench.num_old_chains or cfg.num_old_chains)
         return block_config(trudi_jax, cfg, bench.iterations)
