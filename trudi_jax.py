@@ -95,6 +95,8 @@ class Config:
     num_old_chains: int = 1  # K: old-policy chains per state for the KL c(s): the rollout's own and K-1 fresh ones
     kl_direction: Literal["forward", "reverse"] = "forward"  # c(s): KL(old||new) over old chains; reverse: KL(new||old)
     kl_samples: int = 4  # Gaussian actor: c(s) by this many action samples, clipped, as REPPO's code (0: closed form)
+    remat: Literal["auto", "on", "off"] = "auto"  # chain gradients one denoising step (and KL kernel) at a time,
+    # its activations recomputed in the backward pass (jax.checkpoint): cache-sized pieces, faster on CPU; auto: CPU only
     kl_start: float = 0.01  # initial beta (KL multiplier)
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
@@ -587,17 +589,18 @@ def kernel_mean(x, u, eta, prior_std):
     return x + eta * (prior_drift(x, prior_std) + u)
 
 
-def run_chain(control: Callable, x0, noise, eta, prior_std, ode_coef=1.0) -> Chain:
+def run_chain(control: Callable, x0, noise, eta, prior_std, ode_coef=1.0, remat=False) -> Chain:
     """x_{n+1} = mu_n + sqrt(2 eta_n) eps_n,  mu_n = x_n + eta_n (f(x_n) + ode_coef * u(x_n, n)).
 
-    control(x, n) -> u; noise [N, B, d] (zeros for the noise-free chain)."""
+    control(x, n) -> u; noise [N, B, d] (zeros for the noise-free chain). remat: a step's activations are
+    recomputed in the backward pass instead of stored (the same numbers)."""
     def step(x, inputs):
         n, eps, eta_n = inputs
         mean = kernel_mean(x, ode_coef * control(x, n), eta_n, prior_std)
         x_next = mean + jnp.sqrt(2 * eta_n) * eps
         return x_next, (x_next, mean)
 
-    _, (xs, means) = jax.lax.scan(step, x0, (jnp.arange(noise.shape[0]), noise, eta))
+    _, (xs, means) = jax.lax.scan(jax.checkpoint(step) if remat else step, x0, (jnp.arange(noise.shape[0]), noise, eta))
     return Chain(jnp.concatenate([x0[None], xs]), means, eta)
 
 
@@ -640,6 +643,7 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=Non
     dt = time_steps(cfg.num_diffusion_steps, cfg.total_time, cfg.schedule)
     embedding = step_embedding(cfg.num_diffusion_steps)
     N, K, E = cfg.num_diffusion_steps, cfg.num_old_chains, embedding.shape[-1]
+    remat = cfg.remat == "on" or (cfg.remat == "auto" and jax.default_backend() == "cpu")
 
     def init(key):
         control = net.init(key, jnp.zeros((1, action_size)), jnp.zeros((1, obs_size)), embedding[:1])
@@ -656,7 +660,7 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=Non
         k0, k = jax.random.split(key)
         x0 = prior_scale * cfg.prior_std * jax.random.normal(k0, obs.shape[:-1] + (action_size,))
         noise = noise_scale * jax.random.normal(k, (N,) + x0.shape)
-        return run_chain(control_fn(params, obs), x0, noise, eta(params), cfg.prior_std, ode_coef)
+        return run_chain(control_fn(params, obs), x0, noise, eta(params), cfg.prior_std, ode_coef, remat)
 
     def trace_of(chain: Chain) -> ChainTrace:
         return ChainTrace(jnp.moveaxis(chain.xs, 0, -2), jnp.moveaxis(chain.means, 0, -2))
@@ -688,8 +692,21 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=Non
         if cfg.kl_direction == "reverse":
             old_means = kernel_means_at(old_params, obs, new.xs[..., :-1, :])
             return chain_kl(new.means, eta(params), old_means, eta(old_params), cfg.kl_mode)
-        new_means = kernel_means_at(params, obs[..., None, :], old.xs[..., :-1, :])
-        return chain_kl(old.means, eta(old_params), new_means, eta(params), cfg.kl_mode).mean(-1)
+        if not remat:
+            new_means = kernel_means_at(params, obs[..., None, :], old.xs[..., :-1, :])
+            return chain_kl(old.means, eta(old_params), new_means, eta(params), cfg.kl_mode).mean(-1)
+        # the same sum, one (old chain k, step n) at a time: every state's kernel n at its chain k's x_n
+        per_kernel = lambda x: jnp.moveaxis(x, (-3, -2), (0, 1)).reshape((K * N,) + x.shape[:-3] + x.shape[-1:])
+        eta_old, eta_new = eta(old_params), eta(params)
+
+        def kl_of_kernel(inputs):
+            x, old_mean, n = inputs
+            u = net.apply(params["control"], x, obs, jnp.broadcast_to(embedding[n], x.shape[:-1] + (E,)))
+            new_mean = kernel_mean(x, u, eta_new[n], cfg.prior_std)
+            return chain_kl(old_mean[..., None, :], eta_old[n][None], new_mean[..., None, :], eta_new[n][None],
+                            cfg.kl_mode)
+        inputs = (per_kernel(old.xs[..., :-1, :]), per_kernel(old.means), jnp.tile(jnp.arange(N), K))
+        return jax.lax.map(jax.checkpoint(kl_of_kernel), inputs).sum(0) / K
 
     def evaluate(params, obs, key):
         if cfg.eval_mode == "stochastic":

@@ -8,7 +8,8 @@ the paper's sizes). At the paper preset the update is 98.5 % of TruDi's FLOPs pe
 
 Each piece is jitted alone on a real minibatch (one rollout, its targets, the first minibatch of the batch) and
 timed as the median of --repeats calls after one warm-up; its FLOPs are XLA's cost analysis with scans unrolled
-(as benchmarks/throughput.py counts them). Pieces:
+(as benchmarks/throughput.py counts them) of the same piece with --remat off: the algorithm's FLOPs, not counting
+the forward passes that rematerialisation repeats, so GFLOP/s is the rate of useful work. Pieces:
   update        update_minibatch: critic gradient step, then actor gradient step (what the epochs repeat)
   critic_grad   gradient of the critic loss
   actor_grad    gradient of the actor loss (chain or Gaussian sample, Q, trust-region KL, duals)
@@ -19,6 +20,7 @@ timed as the median of --repeats calls after one warm-up; its FLOPs are XLA's co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -81,6 +83,7 @@ def pieces(lr: T.Learner, params: T.Params, mb, key) -> dict:
 
 def profile(cfg: T.Config, repeats: int, log=print) -> dict:
     lr, params, mb, key = minibatch_inputs(cfg)
+    counted = pieces(T.make_learner(dataclasses.replace(cfg, remat="off"), lr.env), params, mb, key)
     out = {}
     for name, (fn, args) in pieces(lr, params, mb, key).items():
         compiled = jax.jit(fn).lower(*args).compile()
@@ -90,7 +93,7 @@ def profile(cfg: T.Config, repeats: int, log=print) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(compiled(*args))
             times.append(time.perf_counter() - start)
-        flops = cost(fn, *args)["flops"]
+        flops = cost(counted[name][0], *args)["flops"]  # --remat off: the algorithm's FLOPs, its scans unrolled
         seconds = statistics.median(times)
         out[name] = {"seconds": seconds, "flops": flops, "gflop_per_s": flops / seconds / 1e9}
         log(f"  {name:12s} {seconds * 1e3:9.1f} ms  {flops / 1e9:9.2f} GFLOP  {flops / seconds / 1e9:7.1f} GFLOP/s")

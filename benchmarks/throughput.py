@@ -153,14 +153,15 @@ def ppo_jax_runner(bench: Bench, env_name: str) -> Runner:
 # ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def unrolled_scans():
-    """Every jax.lax.scan traced meanwhile is unrolled: XLA's cost analysis counts a loop body once, whatever
-    its trip count (checked: a 10-step scan of a matmul reports the FLOPs of one matmul)."""
-    scan = jax.lax.scan
+    """Every jax.lax.scan (and jax.lax.map) traced meanwhile is unrolled: XLA's cost analysis counts a loop body
+    once, whatever its trip count (checked: a 10-step scan of a matmul reports the FLOPs of one matmul)."""
+    scan, map_ = jax.lax.scan, jax.lax.map
     jax.lax.scan = functools.partial(scan, unroll=True)
+    jax.lax.map = lambda f, xs, **_: scan(lambda carry, x: (carry, f(x)), None, xs, unroll=True)[1]
     try:
         yield
     finally:
-        jax.lax.scan = scan
+        jax.lax.scan, jax.lax.map = scan, map_
 
 
 def cost(fn, *args) -> dict:
@@ -175,7 +176,10 @@ def flop_count(module, cfg) -> dict:
     """FLOPs per environment step of one iteration of an algorithm file, from its pieces:
         T * (policy step + environment step) + reset-pool refresh + targets + epochs * minibatches * update.
     The policy step, the targets and the update are exact (their scans unrolled); the physics has solver loops
-    (while loops) that the cost analysis counts once, so the environment's share is a lower bound."""
+    (while loops) that the cost analysis counts once, so the environment's share is a lower bound. TruDi is counted
+    with --remat off: the algorithm's FLOPs, without the forward passes that rematerialisation repeats."""
+    if module is trudi_jax:
+        cfg = dataclasses.replace(cfg, remat="off")
     env = module.make_env(cfg.env, cfg.backend)
     lr = module.make_learner(cfg, env)
     key = jax.random.PRNGKey(0)
