@@ -109,8 +109,8 @@ def throughput_tables(folder: str) -> list[str]:
             rows = json.load(f)
         names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "reppo") if f"{n}_sps" in rows[0]]
         extra = rows[0]
-        if extra.get("preset") == "paper":
-            shape = "each runner at its paper preset: " + "; ".join(
+        if extra.get("preset") in ("paper", "cpu"):
+            shape = f"each runner at its {extra['preset']} preset: " + "; ".join(
                 f"{n} {c['num_envs']} envs x {c['rollout_steps']} steps, {c['num_minibatches']} minibatches, "
                 f"{c['num_epochs']} epochs" for n in names if (c := extra.get(f"{n}_config")))
             shape += f", median of {extra['repeats']} blocks of {extra['iterations_per_block']} iteration(s)"
@@ -127,10 +127,13 @@ def throughput_tables(folder: str) -> list[str]:
         if "trudi_time_per_step_vs_reppo" in rows[0]:
             ratios.append(("trudi_time_per_step_vs_reppo", "TruDi time per step / REPPO's"))
         header += [label for _, label in ratios]
+        per_million = extra.get("preset") == "cpu"  # a task's cost in the CPU suite
+        header += [f"{n} min per 1M steps" for n in names if per_million]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in rows:
             cells = ([row["env"]] + [f"{row[f'{n}_sps']:,.0f}" for n in names]
-                     + [f"{row[f'{n}_compile_s']:.1f}" for n in names] + [f"{row[key]:.2f}" for key, _ in ratios])
+                     + [f"{row[f'{n}_compile_s']:.1f}" for n in names] + [f"{row[key]:.2f}" for key, _ in ratios]
+                     + [f"{1e6 / row[f'{n}_sps'] / 60:.1f}" for n in names if per_million])
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return lines
