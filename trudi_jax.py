@@ -95,8 +95,7 @@ class Config:
     num_old_chains: int = 1  # K: old-policy chains per state for the KL c(s): the rollout's own and K-1 fresh ones
     kl_direction: Literal["forward", "reverse"] = "forward"  # c(s): KL(old||new) over old chains; reverse: KL(new||old)
     kl_samples: int = 4  # Gaussian actor: c(s) by this many action samples, clipped, as REPPO's code (0: closed form)
-    remat: Literal["auto", "on", "off"] = "auto"  # chain gradients one denoising step (and KL kernel) at a time,
-    # its activations recomputed in the backward pass (jax.checkpoint): cache-sized pieces, faster on CPU; auto: CPU only
+    remat: Literal["auto", "on", "off"] = "auto"  # chain and KL gradients in cache-sized pieces (auto: on CPU)
     kl_start: float = 0.01  # initial beta (KL multiplier)
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
@@ -687,8 +686,9 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=Non
         return jax.lax.stop_gradient(chains)
 
     def trust_region_kl(params, old_params, old, obs, new: ChainTrace, key=None):
-        """Forward: (1/K) sum_k KL(old || new) at the K old chains' states, every new kernel in one call. Reverse:
-        KL(new || old) along the new (reparameterised) chain, the old kernels evaluated at its states."""
+        """Forward: (1/K) sum_k KL(old || new) at the K old chains' states, every new kernel in one call (remat: one
+        kernel at a time). Reverse: KL(new || old) along the new (reparameterised) chain, the old kernels
+        at its states."""
         if cfg.kl_direction == "reverse":
             old_means = kernel_means_at(old_params, obs, new.xs[..., :-1, :])
             return chain_kl(new.means, eta(params), old_means, eta(old_params), cfg.kl_mode)
