@@ -701,8 +701,7 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=Non
 
         def kl_of_kernel(inputs):
             x, old_mean, n = inputs
-            u = net.apply(params["control"], x, obs, jnp.broadcast_to(embedding[n], x.shape[:-1] + (E,)))
-            new_mean = kernel_mean(x, u, eta_new[n], cfg.prior_std)
+            new_mean = kernel_mean(x, control_fn(params, obs)(x, n), eta_new[n], cfg.prior_std)
             return chain_kl(old_mean[..., None, :], eta_old[n][None], new_mean[..., None, :], eta_new[n][None],
                             cfg.kl_mode)
         inputs = (per_kernel(old.xs[..., :-1, :]), per_kernel(old.means), jnp.tile(jnp.arange(N), K))
@@ -746,9 +745,9 @@ def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int, reads=None
         if cfg.kl_samples > 0:
             u = p.mean + jnp.exp(p.log_std) * jax.random.normal(key, (cfg.kl_samples,) + p.mean.shape)
             a = jnp.tanh(u)
-            u_q = jnp.arctanh(jnp.clip(a, -1 + 1e-4, 1 - 1e-4))
+            a_q = jnp.clip(a, -1 + 1e-4, 1 - 1e-4)
             log_p = gaussian_log_pdf(u, p.mean, var_p) - jnp.log(1 - a**2 + 1e-6)
-            log_q = gaussian_log_pdf(u_q, q.mean, var_q) - jnp.log(1 - jnp.tanh(u_q) ** 2 + 1e-6)
+            log_q = gaussian_log_pdf(jnp.arctanh(a_q), q.mean, var_q) - jnp.log(1 - a_q**2 + 1e-6)
             return (log_p - log_q).sum(-1).mean(0)
         if cfg.kl_mode == "mean":
             return (0.5 * (p.mean - q.mean) ** 2 / var_q).sum(-1)
