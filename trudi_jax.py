@@ -97,6 +97,7 @@ class Config:
     kl_samples: int = 4  # Gaussian actor: c(s) by this many action samples, clipped, as REPPO's code (0: closed form)
     remat: Literal["auto", "on", "off"] = "auto"  # chain and KL gradients in cache-sized pieces (auto: on CPU)
     kl_start: float = 0.01  # initial beta (KL multiplier)
+    beta_min: float = 1e-3  # floor of beta, kept after each step (0: none, as REPPO's code; see docs/algorithm.md 7)
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
     # diffusion chain
@@ -200,6 +201,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         (cfg.num_old_chains > 0 and cfg.num_action_samples > 0,
          "--num-old-chains and --num-action-samples must be positive"),
         (cfg.kl_bound > 0, f"--kl-bound must be positive, got {cfg.kl_bound}"),
+        (cfg.beta_min >= 0, f"--beta-min must be >= 0 (0: no floor), got {cfg.beta_min}"),
         (cfg.kl_samples >= 0, f"--kl-samples must be >= 0 (0: closed form), got {cfg.kl_samples}"),
         (cfg.actor != "gaussian" or cfg.kl_samples == 0 or cfg.kl_mode == "full",
          "--kl-mode mean is a closed form: with --actor gaussian it needs --kl-samples 0"),
@@ -1007,6 +1009,8 @@ def update_minibatch(lr: Learner, params: Params, inputs) -> tuple[Params, dict]
         params.actor, params.old_policy, critic_params, batch, key, lr.actor, lr.critic, lr.cfg, lr.env.action_size)
     updates, actor_opt_state = lr.optimizer.update(actor_grads, params.actor_opt_state, params.actor)
     actor_params = optax.apply_updates(params.actor, updates)
+    if lr.cfg.beta_min > 0:  # beta projected onto [beta_min, inf): a collapsed beta leaves the gate alone
+        actor_params = actor_params | {"log_beta": jnp.maximum(actor_params["log_beta"], math.log(lr.cfg.beta_min))}
     return Params(actor_params, critic_params, actor_opt_state, critic_opt_state, params.old_policy), \
         critic_metrics | actor_metrics
 

@@ -443,6 +443,31 @@ def test_duals_move_towards_their_targets(entropy_above_target, kl_above_bound):
     np.testing.assert_allclose(grads["log_beta"], -0.1 * (metrics["kl"] - cfg.kl_bound), rtol=1e-5)
 
 
+@pytest.mark.parametrize("beta_min", [0.0, 1e-3])
+def test_beta_floor_holds_while_the_kl_stays_below_its_bound(beta_min):
+    """With the mean KL far below epsilon, beta falls at every step; --beta-min stops it there (0: it falls on,
+    as in REPPO's code), and the floor leaves alpha and the policy's update as they were."""
+    cfg = small_config(actor="gaussian", kl_bound=1e3, learning_rate=0.05, beta_min=beta_min)
+    lr = T.make_learner(cfg, T.Env(None, None, OBS, ACT))
+    policy = lr.actor.init(jax.random.PRNGKey(0))
+    actor = {"policy": policy, "log_alpha": jnp.log(0.01), "log_beta": jnp.log(0.01)}
+    critic = lr.critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
+    obs = jax.random.normal(jax.random.PRNGKey(3), (64, OBS))
+    batch = T.Batch(obs, jnp.zeros((64, ACT)), jnp.zeros(64), jnp.zeros(64), obs, jnp.zeros((64, ACT)), jnp.ones(64),
+                    T.GaussianTrace(*T.GaussianActor(cfg.actor_hidden, ACT).apply(policy, obs)))
+    params = T.Params(actor, critic, lr.optimizer.init(actor), lr.optimizer.init(critic), policy)
+    step = jax.jit(lambda p, k: T.update_minibatch(lr, p, (batch, k)))
+    betas = []
+    for k in jax.random.split(jax.random.PRNGKey(4), 150):
+        params, metrics = step(params, k)
+        betas.append(float(jnp.exp(params.actor["log_beta"])))
+    assert float(metrics["kl"]) < cfg.kl_bound and betas[0] < 0.01
+    if beta_min:
+        assert min(betas) == pytest.approx(beta_min, rel=1e-5) and betas[-1] == pytest.approx(beta_min, rel=1e-5)
+    else:
+        assert betas[-1] < 1e-4 and all(b1 < b0 for b0, b1 in zip(betas, betas[1:]))
+
+
 def test_targets_on_a_hand_computed_three_step_rollout():
     """One environment, T = 3: t = 0 goes on, t = 1 is truncated (time limit), t = 2 terminates. With
     gamma 0.9, lambda 0.5, alpha 0.5, rewards (1, 2, 4), behaviour log-probs (-1, -1.5, -0.5), fresh samples'
