@@ -192,6 +192,30 @@ def test_corrupt_or_foreign_checkpoints_are_refused(algo, full_run, tmp_path):
         algo.read_checkpoint(str(tmp_path / "missing.msgpack"))
 
 
+def test_replay_chunk_reproduces_the_logged_chunk(full_run, tmp_path):
+    """benchmarks/replay_chunk.py on the checkpoint before the last log point replays that chunk: its
+    per-iteration metrics average to the run's logged ones, seed by seed; --set-beta changes beta alone."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    import replay_chunk
+    cfg, rows = full_run("reppo")
+    before_last = os.path.join(cfg.out_dir, f"checkpoint_{2 * 8 * 8 * 2:012d}.msgpack")
+    assert os.path.exists(before_last), sorted(os.listdir(cfg.out_dir))
+    runs = {}
+    for name, extra in (("plain", []), ("beta", ["--set-beta", "0.5"])):
+        replay_chunk.main([before_last, str(tmp_path / f"{name}.csv")] + extra)
+        with open(tmp_path / f"{name}.csv") as f:
+            runs[name] = list(csv.DictReader(f))
+    assert len(runs["plain"]) == cfg.num_seeds * 2  # 2 iterations per chunk
+    for seed in range(cfg.num_seeds):
+        logged = next(r for r in rows if r["seed"] == seed and r["env_steps"] == cfg.total_steps)
+        replayed = [r for r in runs["plain"] if int(r["seed"]) == seed]
+        assert [int(r["env_steps"]) for r in replayed] == [cfg.total_steps - 8 * 8, cfg.total_steps]
+        for k in ("kl", "critic_loss", "beta", "entropy"):
+            np.testing.assert_allclose(np.mean([float(r[k]) for r in replayed]), logged[k], rtol=1e-4, atol=1e-7)
+        betas = [float(r["beta"]) for r in runs["beta"] if int(r["seed"]) == seed]
+        assert abs(betas[0] - 0.5) < 0.05 and logged["beta"] < 0.1
+
+
 @ALGOS
 def test_resume_refuses_corrupt_or_different_run_before_writing(algo, full_run, tmp_path):
     cfg, _ = full_run(algo)
