@@ -10,7 +10,19 @@ Algorithms: `trudi` (trudi_jax.py), `reppo` (trudi_jax.py --actor gaussian), `pp
 one task train together in one compiled program (`--num-seeds`, vmap). Each row of the CSV is
 `algo, env, seed, env_steps, eval_return, wall_s, status, kl_median`; a run that dies (an exception, or a non-finite
 evaluation return) is recorded with its status instead of being dropped, and the next task still runs.
-Rows are appended as each task finishes, so an interrupted run keeps what it measured.
+Rows are appended as each task finishes, so an interrupted run keeps what it measured, and a task whose rows for
+this algorithm (label) and number of seeds are already in the CSV is skipped: running the same command again
+continues an interrupted suite with the next task (`--rerun` runs it anyway). At `--preset cpu` every algorithm
+gets the same budget, CPU_BUDGET env steps per seed, unless `--total-steps` is given.
+
+The CPU suite, one part per algorithm and task (each part a few to 15 minutes on 2 cores):
+
+    for task in CartpoleBalance CartpoleSwingup PointMass ReacherEasy FingerSpin; do
+      for algo in trudi reppo ppo; do
+        python benchmarks/reproduce.py --algo $algo --tasks $task --seeds 3 --out benchmarks/results/cpu/suite.csv
+      done
+    done
+    python benchmarks/plot.py benchmarks/results/cpu/suite.csv --out benchmarks/results/cpu/suite
 """
 from __future__ import annotations
 
@@ -26,7 +38,9 @@ import ppo_jax  # noqa: E402
 import trudi_jax  # noqa: E402
 
 TASK_SETS = {
-    "cpu": ("CartpoleBalance",),  # what 3 algorithms x 3 seeds finish in about 30 minutes on 2 cores
+    # the CPU suite: DM Control tasks whose cost at the cpu preset is about the same (the networks, not the physics,
+    # set the time at 64 envs: throughput_cpu_preset_tasks.json), about 30 minutes per task for 3 algorithms x 3 seeds
+    "cpu": ("CartpoleBalance", "CartpoleSwingup", "PointMass", "ReacherEasy", "FingerSpin"),
     "dmc": ("AcrobotSwingup", "BallInCup", "CartpoleBalance", "CartpoleBalanceSparse", "CartpoleSwingup",
             "CartpoleSwingupSparse", "CheetahRun", "FingerSpin", "FingerTurnEasy", "FingerTurnHard", "FishSwim",
             "HopperHop", "HopperStand", "PendulumSwingup", "ReacherEasy", "ReacherHard", "WalkerRun",
@@ -34,6 +48,9 @@ TASK_SETS = {
     "humanoid": ("HumanoidStand", "HumanoidWalk", "HumanoidRun"),
     "brax": ("humanoid", "ant", "halfcheetah", "hopper", "walker2d"),
 }
+# The env steps every algorithm gets per seed at --preset cpu unless --total-steps is given: one budget for the three,
+# so that curves and areas compare step for step (each file then rounds it up to its own whole iterations).
+CPU_BUDGET = 1_200_000
 ALGOS = {"trudi": (trudi_jax, []), "reppo": (trudi_jax, ["--actor", "gaussian"]), "ppo": (ppo_jax, [])}
 FIELDS = ["algo", "env", "seed", "env_steps", "eval_return", "wall_s", "status", "kl_median"]
 
@@ -68,6 +85,16 @@ def run_task(algo: str, env: str, seeds: int, preset: str, extra: list[str], log
     return out
 
 
+def has_rows(path: str, label: str, env: str, seeds: list[int]) -> bool:
+    """Whether the CSV at `path` already holds rows with status ok of `label` on `env` for every one of `seeds` (the
+    seed column: --seed of a separate run, the index of a vmapped one)."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        held = {int(r["seed"]) for r in csv.DictReader(f) if r["algo"] == label and r["env"] == env and r["status"] == "ok"}
+    return set(seeds) <= held
+
+
 def main(argv: list[str]) -> None:
     import argparse
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,11 +107,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--preset", default="cpu", choices=["cpu", "paper"])
     parser.add_argument("--label", default=None, help="the CSV's algo column (default --algo), e.g. for a variant "
                         "given by extra flags: --algo trudi --label trudi_reverse --kl-direction reverse")
+    parser.add_argument("--rerun", action="store_true", help="run a task even if the CSV already holds its rows")
     parser.add_argument("--out", default=None, help="CSV to append to (default benchmarks/results/<preset>/reproduce.csv)")
     args, extra = parser.parse_known_args(argv)  # anything else goes to the algorithm's own CLI
     if args.seeds < 1:
         raise SystemExit("error: --seeds must be positive")
     tasks = TASK_SETS.get(args.tasks) or tuple(t for t in args.tasks.split(",") if t)
+    if args.preset == "cpu" and not any(a == "--total-steps" or a.startswith("--total-steps=") for a in extra):
+        extra = extra + ["--total-steps", str(CPU_BUDGET)]
     if args.separate_seeds:  # the runs of a task compile the same program: compile it once
         import jax
         jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jax_cache_"))
@@ -92,7 +122,12 @@ def main(argv: list[str]) -> None:
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.preset, "reproduce.csv")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     new_file = not os.path.exists(out)
+    label = args.label or args.algo
+    seeds = [args.first_seed + i if args.separate_seeds else i for i in range(args.seeds)]  # the CSV's seed column
     for env in tasks:
+        if not args.rerun and has_rows(out, label, env, seeds):
+            print(f"[reproduce] {label} on {env}: seeds {seeds} already in {out}, skipped (--rerun to run them again)")
+            continue
         print(f"[reproduce] {args.algo} on {env}, {args.seeds} seeds, preset {args.preset}")
         rows = run_task(args.algo, env, args.seeds, args.preset, extra, first_seed=args.first_seed,
                         separate=args.separate_seeds)

@@ -27,3 +27,57 @@ def test_final_table_averages_last_points_over_seeds_and_lists_failures():
     assert "950.0 ± 50.0 (n=2)" in line  # the last point of each seed, not the earlier 500
     assert "999.5 ± 0.7" in line  # REPPO's published number, from benchmarks/reference/dmc_returns.csv
     assert "(failed runs)" in line and "failed: boom" in table
+
+
+def curve_rows(algo, env, seed, returns, step=100):
+    return [dict(algo=algo, env=env, seed=str(seed), env_steps=str(step * (i + 1)), eval_return=str(r), status="ok")
+            for i, r in enumerate(returns)]
+
+
+def test_table_reports_area_under_curve_and_whether_trudi_reaches_reppo():
+    rows = (curve_rows("trudi", "PointMass", 0, [100, 500, 900]) + curve_rows("trudi", "PointMass", 1, [300, 700, 700])
+            + curve_rows("reppo", "PointMass", 0, [200, 800, 850]) + curve_rows("reppo", "PointMass", 1, [200, 800, 850]))
+    line = next(line for line in plot.final_table(rows).splitlines() if line.startswith("| PointMass"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # columns: task, reppo final, trudi final, reppo AUC, trudi AUC, verdict, steps, references
+    assert cells[1] == "850.0 ± 0.0 (n=2)" and cells[2] == "800.0 ± 100.0 (n=2)"
+    assert cells[3] == "616.7 ± 0.0"  # (200 + 800 + 850) / 3
+    assert cells[4] == "533.3 ± 33.3"  # seeds 500 and 566.7
+    assert cells[5] == "no (-50); no (-83)"
+    assert cells[7] == "–"  # PointMass has no published number
+
+
+def test_normalised_summary_bootstraps_over_seeds_within_tasks():
+    rows = (curve_rows("ppo", "A", 0, [400]) + curve_rows("ppo", "A", 1, [600]) + curve_rows("ppo", "B", 0, [1000])
+            + curve_rows("ppo", "B", 1, [1000]) + curve_rows("trudi", "A", 0, [800]) + curve_rows("trudi", "A", 1, [800])
+            + curve_rows("trudi", "B", 0, [200]) + curve_rows("trudi", "B", 1, [200])
+            + curve_rows("trudi", "C", 0, [1000]))  # C: only TruDi ran it, so it stays out of the summary
+    tasks, algos, table = plot.normalised_summary(plot.runs(rows)[0], resamples=2000)
+    assert tasks == ["A", "B"] and algos == ["ppo", "trudi"]
+    point, low, high = table["ppo"]
+    assert point == 0.75  # mean over tasks of (500, 1000) / 1000
+    assert 0.7 - 1e-9 <= low < point < high <= 0.8 + 1e-9  # A's seed mean ranges over 400..600
+    assert table["trudi"] == (0.5, 0.5, 0.5)  # identical seeds: no spread
+
+
+def test_reproduce_skips_parts_already_done_and_gives_every_algorithm_one_budget(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_task(algo, env, seeds, preset, extra, log=print, first_seed=0, separate=False):
+        calls.append((algo, env, extra))
+        return [dict(algo=algo, env=env, seed=s, env_steps=10, eval_return=1.0, wall_s=0.0, status="ok")
+                for s in range(seeds)]
+
+    monkeypatch.setattr(reproduce, "run_task", fake_run_task)
+    out = str(tmp_path / "suite.csv")
+    reproduce.main(["--algo", "ppo", "--tasks", "A,B", "--seeds", "2", "--out", out])
+    reproduce.main(["--algo", "trudi", "--tasks", "A", "--seeds", "2", "--out", out])
+    assert [c[:2] for c in calls] == [("ppo", "A"), ("ppo", "B"), ("trudi", "A")]
+    assert all(c[2][-2:] == ["--total-steps", str(reproduce.CPU_BUDGET)] for c in calls)
+    reproduce.main(["--algo", "ppo", "--tasks", "A,B,C", "--seeds", "2", "--out", out])  # continues with C only
+    reproduce.main(["--algo", "ppo", "--tasks", "A", "--seeds", "3", "--out", out])  # seed 2 is missing: runs
+    reproduce.main(["--algo", "ppo", "--tasks", "A", "--seeds", "2", "--out", out, "--rerun", "--total-steps", "50"])
+    assert [c[:2] for c in calls[3:]] == [("ppo", "C"), ("ppo", "A"), ("ppo", "A")]
+    assert calls[-1][2] == ["--total-steps", "50"]  # a given budget is kept, not doubled
+    with open(out) as f:
+        assert sum(1 for _ in f) == 1 + 2 + 2 + 2 + 2 + 3 + 2  # one header, every run's rows appended
