@@ -3,7 +3,7 @@
     python benchmarks/readme_results.py          # rewrites README.md between the results markers
 
 Sources: cpu/reproduce.csv (benchmarks/reproduce.py, one row per evaluation and seed), cpu/reproduce.md (+ .png;
-benchmarks/plot.py), cpu/throughput_*.json and cpu/flops_paper.json (benchmarks/throughput.py) and gpu/*.json
+benchmarks/plot.py), cpu/suite.csv / suite.md (+ .png, _aggregate.png: the CPU suite), cpu/throughput_*.json and cpu/flops_paper.json (benchmarks/throughput.py) and gpu/*.json
 (benchmarks/gpu_check.sh), each with the command that produced it.
 """
 from __future__ import annotations
@@ -193,7 +193,8 @@ def section() -> str:
     seeds_csv = os.path.join(RESULTS, "cpu", "reproduce.csv")
     if os.path.exists(seeds_csv):
         out += ["### Learning on CPU: `--preset cpu`, one run per seed", "",
-                "Seeds 100-103 (not the seeds the preset was chosen on), each the single-seed command, e.g.",
+                "Seeds 100-103 and, for TruDi and REPPO, 200-203 (none of them the seeds the preset was chosen on;",
+                "200-203 first run on 2026-12-06 with the code as it was), each the single-seed command, e.g.",
                 "`python trudi_jax.py --env CartpoleBalance --preset cpu --seed 100` (`--actor gaussian` for REPPO;",
                 "`python ppo_jax.py ... --seed 100`). A constant zero action scores about 697 on CartpoleBalance",
                 "(random: 250-300), so only returns well above 700 show learning.", ""] + seed_table(seeds_csv) + [""]
@@ -210,6 +211,22 @@ def section() -> str:
                 "`benchmarks/results/cpu/README.md`)", "",
                 f"Final evaluation return, mean ± std over seeds, next to the published numbers at 50M steps ({total}).",
                 "", "![reproduction curves](benchmarks/results/cpu/reproduce.png)", "", table, ""]
+    suite = os.path.join(RESULTS, "cpu", "suite.md")
+    if os.path.exists(suite):
+        with open(suite) as f:
+            table = f.read().strip()
+        with open(os.path.join(RESULTS, "cpu", "suite.csv")) as f:
+            tasks = sorted({r["env"] for r in csv.DictReader(f)})
+        out += [f"### CPU suite: TruDi, REPPO and PPO on {len(tasks)} DM Control tasks, 3 seeds each", "",
+                "`python benchmarks/reproduce.py --algo A --tasks T --seeds 3 --out benchmarks/results/cpu/suite.csv` "
+                "per algorithm and task (the three seeds vmapped in one program, `--preset cpu`, the same 1.2M env "
+                "steps per seed for every algorithm); figures and table by `python benchmarks/plot.py "
+                "benchmarks/results/cpu/suite.csv --out benchmarks/results/cpu/suite`. Curves: mean ± std over "
+                "seeds. The published numbers are at 50M steps with 1024 envs, ours at 1.2M with 64.", "",
+                "![suite curves](benchmarks/results/cpu/suite.png)", ""]
+        if os.path.exists(os.path.join(RESULTS, "cpu", "suite_aggregate.png")):
+            out += ["![suite summary](benchmarks/results/cpu/suite_aggregate.png)", ""]
+        out += [table, ""]
     cpu = throughput_tables("cpu")
     if cpu:
         out += ["### Speed on CPU (`benchmarks/throughput.py`)", "",
