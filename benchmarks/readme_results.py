@@ -193,8 +193,9 @@ def section() -> str:
     seeds_csv = os.path.join(RESULTS, "cpu", "reproduce.csv")
     if os.path.exists(seeds_csv):
         out += ["### Learning on CPU: `--preset cpu`, one run per seed", "",
-                "Seeds 100-103 and, for TruDi and REPPO, 200-203 (none of them the seeds the preset was chosen on;",
-                "200-203 first run on 2026-12-06 with the code as it was), each the single-seed command, e.g.",
+                "None of the seeds the preset was chosen on: PPO 100-103, REPPO 100-103 and 200-203, TruDi 200-203 and",
+                "300-303 (run 2026-12-06 with its default floor of beta, 1e-2; its rows with the earlier 1e-3 on seeds",
+                "100-103 and 200-203 are in `reproduce_3bb3e98_trudi_beta_min_1e-3.csv`), each the single-seed command, e.g.",
                 "`python trudi_jax.py --env CartpoleBalance --preset cpu --seed 100` (`--actor gaussian` for REPPO;",
                 "`python ppo_jax.py ... --seed 100`). A constant zero action scores about 697 on CartpoleBalance",
                 "(random: 250-300), so only returns well above 700 show learning.", ""] + seed_table(seeds_csv) + [""]

@@ -443,10 +443,11 @@ def test_duals_move_towards_their_targets(entropy_above_target, kl_above_bound):
     np.testing.assert_allclose(grads["log_beta"], -0.1 * (metrics["kl"] - cfg.kl_bound), rtol=1e-5)
 
 
-@pytest.mark.parametrize("beta_min", [0.0, 1e-3])
+@pytest.mark.parametrize("beta_min", [0.0, None])
 def test_beta_floor_holds_while_the_kl_stays_below_its_bound(beta_min):
     """With the mean KL far below epsilon, beta falls at every step; --beta-min stops it there (0: it falls on,
-    as in REPPO's code), and the floor leaves alpha and the policy's update as they were."""
+    as in REPPO's code; None: the actor's default floor), and the floor leaves alpha and the policy's update as
+    they were."""
     cfg = small_config(actor="gaussian", kl_bound=1e3, learning_rate=0.05, beta_min=beta_min)
     lr = T.make_learner(cfg, T.Env(None, None, OBS, ACT))
     policy = lr.actor.init(jax.random.PRNGKey(0))
@@ -462,8 +463,11 @@ def test_beta_floor_holds_while_the_kl_stays_below_its_bound(beta_min):
         params, metrics = step(params, k)
         betas.append(float(jnp.exp(params.actor["log_beta"])))
     assert float(metrics["kl"]) < cfg.kl_bound and betas[0] < 0.01
-    if beta_min:
-        assert min(betas) == pytest.approx(beta_min, rel=1e-5) and betas[-1] == pytest.approx(beta_min, rel=1e-5)
+    if beta_min is None:  # the Gaussian actor's default; the diffusion actor's is higher, an explicit value wins
+        floor = T.BETA_MIN["gaussian"]
+        assert floor == 1e-3 and T.beta_floor(dataclasses.replace(cfg, actor="diffusion")) == 1e-2
+        assert T.beta_floor(dataclasses.replace(cfg, actor="diffusion", beta_min=0.0)) == 0.0
+        assert min(betas) == pytest.approx(floor, rel=1e-5) and betas[-1] == pytest.approx(floor, rel=1e-5)
     else:
         assert betas[-1] < 1e-4 and all(b1 < b0 for b0, b1 in zip(betas, betas[1:]))
 
