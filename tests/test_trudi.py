@@ -561,7 +561,8 @@ def test_cpu_preset_learns_cartpole_balance_on_all_but_one_seed(actor, log_point
     region (median per-iteration KL <= 2 epsilon). A run stops at its first evaluation >= 950, and no further seed
     runs once the outcome is decided: the same claim at a fraction of the cost. Measured one run per seed
     (benchmarks/results/cpu/reproduce.csv, reproduce_3f8fe32.csv, ablations_reppo/): TruDi first passes 950 at
-    241k-362k on 8 runs of seeds 100-103 (two random streams), REPPO with its sampled KL at 241k-725k on seeds
+    241k-362k on 8 runs of seeds 100-103 (two random streams) and, with its floor of beta 1e-2, on seeds 200-203 and
+    300-303, REPPO with its sampled KL at 241k-725k on seeds
     100-107 (median 362k; 483k, 604k, 362k on the seeds here); the budgets (483k, 725k) sit past TruDi's slowest
     run and two log points past REPPO's median. A single seed's course depends on the machine's floating-point details
     (vmapping the seeds instead gave no speed on 2 cores: 3.9k env steps/s for 4 TruDi seeds together, as for one
