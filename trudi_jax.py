@@ -97,7 +97,7 @@ class Config:
     kl_samples: int = 4  # Gaussian actor: c(s) by this many action samples, clipped, as REPPO's code (0: closed form)
     remat: Literal["auto", "on", "off"] = "auto"  # chain and KL gradients in cache-sized pieces (auto: on CPU)
     kl_start: float = 0.01  # initial beta (KL multiplier)
-    beta_min: float | None = None  # floor of beta after each step (None: BETA_MIN of the actor; 0: none, as REPPO's code)
+    beta_min: float | None = None  # floor of beta after each step (None: BETA_MIN[actor]; 0: none, as REPPO's code)
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
     # diffusion chain

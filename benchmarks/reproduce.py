@@ -15,7 +15,8 @@ this algorithm (label) and number of seeds are already in the CSV is skipped: ru
 continues an interrupted suite with the next task (`--rerun` runs it anyway). At `--preset cpu` every algorithm
 gets the same budget, CPU_BUDGET env steps per seed, unless `--total-steps` is given.
 
-The CPU suite, one part per algorithm and task (each part about 5 to 25 minutes on 2 cores: PPO ~5, TruDi ~15, FingerSpin the slowest):
+The CPU suite, one part per algorithm and task (each part about 5 to 25 minutes on 2 cores: PPO ~5, TruDi ~15,
+FingerSpin the slowest):
 
     for task in CartpoleBalance CartpoleSwingup PointMass ReacherEasy FingerSpin; do
       for algo in trudi reppo ppo; do
