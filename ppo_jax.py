@@ -118,6 +118,9 @@ RUN_FIELDS = ("out_dir", "overwrite", "plot", "checkpoint_every", "keep_checkpoi
               "checkpoint", "eval_episodes", "video", "distributed", "coordinator_address", "num_processes",
               "process_id", "tensorboard", "wandb", "wandb_project")
 
+# Fields added after checkpoints were first written, with the value that a checkpoint without them ran (none yet).
+ADDED_FIELDS: dict = {}
+
 
 def preset_config(preset: str, env: str) -> Config:
     """The starting values of a preset for a task; the CLI overrides fields on top of it."""

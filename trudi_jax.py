@@ -98,6 +98,7 @@ class Config:
     remat: Literal["auto", "on", "off"] = "auto"  # chain and KL gradients in cache-sized pieces (auto: on CPU)
     kl_start: float = 0.01  # initial beta (KL multiplier)
     beta_min: float | None = None  # floor of beta after each step (None: BETA_MIN[actor]; 0: none, as REPPO's code)
+    kl_stop: float | None = None  # actor steps of an iteration end once mean c > kl_stop * eps (None: KL_STOP[actor])
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
     # diffusion chain
@@ -150,11 +151,25 @@ RUN_FIELDS = ("out_dir", "overwrite", "plot", "checkpoint_every", "keep_checkpoi
               "checkpoint", "eval_episodes", "video", "distributed", "coordinator_address", "num_processes",
               "process_id", "tensorboard", "wandb", "wandb_project")
 
+# Fields added after checkpoints were first written, with the value that a checkpoint without them ran.
+ADDED_FIELDS = {"beta_min": 0.0, "kl_stop": 0.0}
+
 
 # Default floor of beta per actor (docs/algorithm.md 7): once converged the dual update shrinks beta geometrically and
 # a later jump of the KL goes unchecked. 1e-3 held REPPO on 8 fresh seeds of CartpoleBalance; the diffusion actor
 # still dropped on 4 of 4 seeds with it and on 1 of 8 (to 859) with 1e-2 (benchmarks/results/cpu/ablations_trudi).
 BETA_MIN = {"diffusion": 1e-2, "gaussian": 1e-3}
+
+
+# Default early stop of the actor's steps per actor, in units of eps (docs/algorithm.md 7): after convergence one
+# iteration's steps can drift the diffusion actor to mean c ~ 2 (20 eps) while each state's own loss is already gated;
+# stopping at eps held it (benchmarks/results/cpu/ablations_trudi). REPPO's code has no such stop.
+KL_STOP = {"diffusion": 1.0, "gaussian": 0.0}
+
+
+def kl_stop_bound(cfg: Config) -> float:
+    """The mean c(s) of a minibatch past which the actor takes no more steps in the iteration (0: never)."""
+    return (KL_STOP[cfg.actor] if cfg.kl_stop is None else cfg.kl_stop) * cfg.kl_bound
 
 
 def beta_floor(cfg: Config) -> float:
@@ -212,6 +227,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         (cfg.num_old_chains > 0 and cfg.num_action_samples > 0,
          "--num-old-chains and --num-action-samples must be positive"),
         (cfg.kl_bound > 0, f"--kl-bound must be positive, got {cfg.kl_bound}"),
+        (cfg.kl_stop is None or cfg.kl_stop >= 0, f"--kl-stop must be >= 0 (0: never stop), got {cfg.kl_stop}"),
         (cfg.beta_min is None or cfg.beta_min >= 0, f"--beta-min must be >= 0 (0: no floor), got {cfg.beta_min}"),
         (cfg.kl_samples >= 0, f"--kl-samples must be >= 0 (0: closed form), got {cfg.kl_samples}"),
         (cfg.actor != "gaussian" or cfg.kl_samples == 0 or cfg.kl_mode == "full",
@@ -1008,6 +1024,7 @@ class Params(NamedTuple):
     actor_opt_state: Any
     critic_opt_state: Any
     old_policy: Any  # the policy that collected the batch (fixed during the update)
+    actor_stopped: jax.Array  # --kl-stop: the actor takes no more steps in this iteration
 
 
 def update_minibatch(lr: Learner, params: Params, inputs) -> tuple[Params, dict]:
@@ -1022,8 +1039,14 @@ def update_minibatch(lr: Learner, params: Params, inputs) -> tuple[Params, dict]
     actor_params = optax.apply_updates(params.actor, updates)
     if beta_floor(lr.cfg) > 0:  # beta projected onto [beta_min, inf): a collapsed beta leaves the gate alone
         actor_params = actor_params | {"log_beta": jnp.maximum(actor_params["log_beta"], math.log(beta_floor(lr.cfg)))}
-    return Params(actor_params, critic_params, actor_opt_state, critic_opt_state, params.old_policy), \
-        critic_metrics | actor_metrics
+    stopped = params.actor_stopped
+    if kl_stop_bound(lr.cfg) > 0:  # c is measured before this step: past the bound, it and the later ones are skipped
+        stopped = stopped | (actor_metrics["kl"] > kl_stop_bound(lr.cfg))
+        actor_params, actor_opt_state = jax.tree.map(lambda old, new: jnp.where(stopped, old, new),
+                                                     (params.actor, params.actor_opt_state),
+                                                     (actor_params, actor_opt_state))
+    return Params(actor_params, critic_params, actor_opt_state, critic_opt_state, params.old_policy, stopped), \
+        critic_metrics | actor_metrics | {"actor_steps": 1.0 - stopped}
 
 
 def update_epochs(lr: Learner, params: Params, batch: Batch, key) -> tuple[Params, dict]:
@@ -1052,7 +1075,7 @@ def train_iteration(lr: Learner, ts: TrainState, _=None) -> tuple[TrainState, di
     chex.assert_shape([batch.target, batch.aux_mask, batch.reward], (cfg.rollout_steps, cfg.num_envs))
     chex.assert_shape(batch.next_action, (cfg.rollout_steps, cfg.num_envs, lr.env.action_size))
     params = Params(ts.actor_params, ts.critic_params, ts.actor_opt_state, ts.critic_opt_state,
-                    ts.actor_params["policy"])
+                    ts.actor_params["policy"], jnp.array(False))
     params, metrics = update_epochs(lr, params, batch, k_update)
     norm = normalizer_update(ts.norm, traj.obs) if cfg.normalize_obs else ts.norm
     metrics["nonfinite"] = ~jnp.stack([  # in the order of NONFINITE_CHECKS
@@ -1332,8 +1355,9 @@ def fits_type(value, hint) -> bool:
 
 def config_from_dict(saved: dict, source: str = "config") -> Config:
     """The Config of a saved JSON dict (a checkpoint's header); unknown, missing or ill-typed fields are refused.
-    Missing run-management fields take their defaults."""
+    Missing run-management fields take their defaults, missing ADDED_FIELDS the value the older code ran."""
     hints = typing.get_type_hints(Config)
+    saved = ADDED_FIELDS | saved
     unknown = sorted(set(saved) - set(hints))
     missing = [k for k in hints if k not in saved and k not in RUN_FIELDS]
     mistyped = [k for k in hints if k in saved and not fits_type(saved[k], hints[k])]

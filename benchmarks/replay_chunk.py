@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     parser.add_argument("--set-beta", type=float, default=None, help="set beta to this value first (intervention)")
     args = parser.parse_args(argv)
     meta, payload = T.read_checkpoint(args.checkpoint)
-    cfg = T.config_from_dict({"beta_min": 0.0} | meta["config"])  # checkpoints from before --beta-min: no floor
+    cfg = T.config_from_dict(meta["config"])
     env = T.make_env(cfg.env, cfg.backend, cfg.privileged_critic, cfg.domain_randomization)
     lr = T.make_learner(cfg, env)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))

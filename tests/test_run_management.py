@@ -815,7 +815,7 @@ def test_run_management_is_the_same_text_in_both_files():
     # the names the shared part uses of each algorithm exist in both, and only these differ
     hooks = ("ALGO", "IDENTITY_FIELDS", "PROGRESS_METRICS", "run_name", "policy_of", "eval_policy", "make_train",
              "make_env", "validate", "chunk_iterations", "run_episodes", "preset_config", "Config", "RUN_FIELDS",
-             "NONFINITE_CHECKS", "TrainState", "observation")
+             "NONFINITE_CHECKS", "TrainState", "observation", "ADDED_FIELDS")
     for name in hooks:
         assert hasattr(ppo_jax, name) and hasattr(trudi_jax, name), name
 
