@@ -911,8 +911,9 @@ def fits_type(value, hint) -> bool:
 
 def config_from_dict(saved: dict, source: str = "config") -> Config:
     """The Config of a saved JSON dict (a checkpoint's header); unknown, missing or ill-typed fields are refused.
-    Missing run-management fields take their defaults."""
+    Missing run-management fields take their defaults, missing ADDED_FIELDS the value the older code ran."""
     hints = typing.get_type_hints(Config)
+    saved = ADDED_FIELDS | saved
     unknown = sorted(set(saved) - set(hints))
     missing = [k for k in hints if k not in saved and k not in RUN_FIELDS]
     mistyped = [k for k in hints if k in saved and not fits_type(saved[k], hints[k])]

@@ -49,7 +49,7 @@ def minibatch_inputs(cfg: T.Config):
     size = cfg.num_envs * cfg.rollout_steps // cfg.num_minibatches
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:size], batch)
     params = T.Params(ts.actor_params, ts.critic_params, ts.actor_opt_state, ts.critic_opt_state,
-                      ts.actor_params["policy"])
+                      ts.actor_params["policy"], jnp.array(False))
     return lr, params, flat, key
 
 

@@ -295,6 +295,19 @@ def test_loading_a_checkpoint_never_unpickles(algo, full_run, tmp_path):
 
 
 @ALGOS
+def test_a_checkpoint_from_before_a_field_existed_keeps_what_it_ran(algo):
+    """A saved config without a field added later (ADDED_FIELDS: --beta-min, --kl-stop) reads as the value the
+    older code ran (no floor, no stop), not as today's default; any other missing field is still refused."""
+    saved = algo.config_dict(algo.Config())
+    assert algo.ADDED_FIELDS or algo is ppo_jax
+    for name, value in algo.ADDED_FIELDS.items():
+        older = {k: v for k, v in saved.items() if k != name}
+        assert algo.config_from_dict(older) == dataclasses.replace(algo.Config(), **{name: value})
+    with pytest.raises(SystemExit, match="missing fields num_envs"):
+        algo.config_from_dict({k: v for k, v in saved.items() if k != "num_envs"})
+
+
+@ALGOS
 def test_crafted_headers_are_refused_before_use(algo, full_run, tmp_path, monkeypatch):
     """The checksum and the format version are verified before any header field is read; a header with a
     valid checksum but missing or mistyped fields, or absurd nesting, is one line, not a traceback."""

@@ -456,7 +456,7 @@ def test_beta_floor_holds_while_the_kl_stays_below_its_bound(beta_min):
     obs = jax.random.normal(jax.random.PRNGKey(3), (64, OBS))
     batch = T.Batch(obs, jnp.zeros((64, ACT)), jnp.zeros(64), jnp.zeros(64), obs, jnp.zeros((64, ACT)), jnp.ones(64),
                     T.GaussianTrace(*T.GaussianActor(cfg.actor_hidden, ACT).apply(policy, obs)))
-    params = T.Params(actor, critic, lr.optimizer.init(actor), lr.optimizer.init(critic), policy)
+    params = T.Params(actor, critic, lr.optimizer.init(actor), lr.optimizer.init(critic), policy, jnp.array(False))
     step = jax.jit(lambda p, k: T.update_minibatch(lr, p, (batch, k)))
     betas = []
     for k in jax.random.split(jax.random.PRNGKey(4), 150):
@@ -470,6 +470,41 @@ def test_beta_floor_holds_while_the_kl_stays_below_its_bound(beta_min):
         assert min(betas) == pytest.approx(floor, rel=1e-5) and betas[-1] == pytest.approx(floor, rel=1e-5)
     else:
         assert betas[-1] < 1e-4 and all(b1 < b0 for b0, b1 in zip(betas, betas[1:]))
+
+
+@pytest.mark.parametrize("kl_stop", [0.0, 1.0])
+def test_kl_stop_ends_the_actor_steps_once_the_kl_passes_its_bound(kl_stop):
+    """Steps on one minibatch with a large learning rate drive c(s) past eps. With --kl-stop 1 the first step whose
+    c (measured before it) exceeds eps is not taken, nor any later one: the actor, its duals and its optimiser
+    state stay where the last taken step left them, while the critic goes on learning. With 0 every step is taken
+    and c ends far past eps."""
+    cfg = small_config(actor="gaussian", kl_bound=0.05, learning_rate=0.05, kl_stop=kl_stop)
+    lr = T.make_learner(cfg, T.Env(None, None, OBS, ACT))
+    policy = lr.actor.init(jax.random.PRNGKey(0))
+    actor = {"policy": policy, "log_alpha": jnp.log(0.01), "log_beta": jnp.log(0.01)}
+    critic = lr.critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
+    obs = jax.random.normal(jax.random.PRNGKey(3), (64, OBS))
+    batch = T.Batch(obs, jnp.zeros((64, ACT)), jnp.full(64, 50.0), jnp.zeros(64), obs, jnp.zeros((64, ACT)),
+                    jnp.ones(64), T.GaussianTrace(*T.GaussianActor(cfg.actor_hidden, ACT).apply(policy, obs)))
+    params = T.Params(actor, critic, lr.optimizer.init(actor), lr.optimizer.init(critic), policy, jnp.array(False))
+    step = jax.jit(lambda p, k: T.update_minibatch(lr, p, (batch, k)))
+    history = []  # (c before the step, step taken, state after it)
+    for k in jax.random.split(jax.random.PRNGKey(4), 30):
+        before = params
+        params, metrics = step(params, k)
+        history.append((float(metrics["kl"]), float(metrics["actor_steps"]), before, params))
+    kls, taken = [h[0] for h in history], [h[1] for h in history]
+    if kl_stop == 0:
+        assert taken == [1.0] * 30 and max(kls) > 4 * cfg.kl_bound
+        return
+    first = next(i for i, c in enumerate(kls) if c > cfg.kl_bound)
+    assert 0 < first < 29 and taken == [1.0] * first + [0.0] * (30 - first)
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert same((params.actor, params.actor_opt_state), (history[first][2].actor, history[first][2].actor_opt_state))
+    assert not same(history[first - 1][3].actor, history[first - 1][2].actor)  # the step before it moved the actor
+    assert not same(params.critic, history[first][3].critic)  # the critic still learns after the stop
+    assert T.kl_stop_bound(dataclasses.replace(cfg, kl_stop=None)) == 0.0  # REPPO's code: no stop
+    assert T.kl_stop_bound(dataclasses.replace(cfg, actor="diffusion", kl_stop=None)) == cfg.kl_bound
 
 
 def test_targets_on_a_hand_computed_three_step_rollout():
