@@ -443,21 +443,27 @@ def test_duals_move_towards_their_targets(entropy_above_target, kl_above_bound):
     np.testing.assert_allclose(grads["log_beta"], -0.1 * (metrics["kl"] - cfg.kl_bound), rtol=1e-5)
 
 
+def gaussian_minibatch_steps(cfg, target):
+    """The Gaussian actor's first update state and a jitted update_minibatch on one fixed minibatch of 64 random
+    observations whose critic target is `target` (the rollout's policy = the initial one)."""
+    lr = T.make_learner(cfg, T.Env(None, None, OBS, ACT))
+    policy = lr.actor.init(jax.random.PRNGKey(0))
+    actor = {"policy": policy, "log_alpha": jnp.log(0.01), "log_beta": jnp.log(0.01)}
+    critic = lr.critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
+    obs = jax.random.normal(jax.random.PRNGKey(3), (64, OBS))
+    batch = T.Batch(obs, jnp.zeros((64, ACT)), jnp.zeros(64), jnp.full(64, target), obs, jnp.zeros((64, ACT)),
+                    jnp.ones(64), T.GaussianTrace(*T.GaussianActor(cfg.actor_hidden, ACT).apply(policy, obs)))
+    params = T.Params(actor, critic, lr.optimizer.init(actor), lr.optimizer.init(critic), policy, jnp.array(False))
+    return params, jax.jit(lambda p, k: T.update_minibatch(lr, p, (batch, k)))
+
+
 @pytest.mark.parametrize("beta_min", [0.0, None])
 def test_beta_floor_holds_while_the_kl_stays_below_its_bound(beta_min):
     """With the mean KL far below epsilon, beta falls at every step; --beta-min stops it there (0: it falls on,
     as in REPPO's code; None: the actor's default floor), and the floor leaves alpha and the policy's update as
     they were."""
     cfg = small_config(actor="gaussian", kl_bound=1e3, learning_rate=0.05, beta_min=beta_min)
-    lr = T.make_learner(cfg, T.Env(None, None, OBS, ACT))
-    policy = lr.actor.init(jax.random.PRNGKey(0))
-    actor = {"policy": policy, "log_alpha": jnp.log(0.01), "log_beta": jnp.log(0.01)}
-    critic = lr.critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
-    obs = jax.random.normal(jax.random.PRNGKey(3), (64, OBS))
-    batch = T.Batch(obs, jnp.zeros((64, ACT)), jnp.zeros(64), jnp.zeros(64), obs, jnp.zeros((64, ACT)), jnp.ones(64),
-                    T.GaussianTrace(*T.GaussianActor(cfg.actor_hidden, ACT).apply(policy, obs)))
-    params = T.Params(actor, critic, lr.optimizer.init(actor), lr.optimizer.init(critic), policy, jnp.array(False))
-    step = jax.jit(lambda p, k: T.update_minibatch(lr, p, (batch, k)))
+    params, step = gaussian_minibatch_steps(cfg, target=0.0)
     betas = []
     for k in jax.random.split(jax.random.PRNGKey(4), 150):
         params, metrics = step(params, k)
@@ -479,15 +485,7 @@ def test_kl_stop_ends_the_actor_steps_once_the_kl_passes_its_bound(kl_stop):
     state stay where the last taken step left them, while the critic goes on learning. With 0 every step is taken
     and c ends far past eps."""
     cfg = small_config(actor="gaussian", kl_bound=0.05, learning_rate=0.05, kl_stop=kl_stop)
-    lr = T.make_learner(cfg, T.Env(None, None, OBS, ACT))
-    policy = lr.actor.init(jax.random.PRNGKey(0))
-    actor = {"policy": policy, "log_alpha": jnp.log(0.01), "log_beta": jnp.log(0.01)}
-    critic = lr.critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
-    obs = jax.random.normal(jax.random.PRNGKey(3), (64, OBS))
-    batch = T.Batch(obs, jnp.zeros((64, ACT)), jnp.full(64, 50.0), jnp.zeros(64), obs, jnp.zeros((64, ACT)),
-                    jnp.ones(64), T.GaussianTrace(*T.GaussianActor(cfg.actor_hidden, ACT).apply(policy, obs)))
-    params = T.Params(actor, critic, lr.optimizer.init(actor), lr.optimizer.init(critic), policy, jnp.array(False))
-    step = jax.jit(lambda p, k: T.update_minibatch(lr, p, (batch, k)))
+    params, step = gaussian_minibatch_steps(cfg, target=50.0)
     history = []  # (c before the step, step taken, state after it)
     for k in jax.random.split(jax.random.PRNGKey(4), 30):
         before = params
