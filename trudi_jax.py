@@ -98,7 +98,7 @@ class Config:
     remat: Literal["auto", "on", "off"] = "auto"  # chain and KL gradients in cache-sized pieces (auto: on CPU)
     kl_start: float = 0.01  # initial beta (KL multiplier)
     beta_min: float | None = None  # floor of beta after each step (None: BETA_MIN[actor]; 0: none, as REPPO's code)
-    kl_stop: float | None = None  # actor steps of an iteration end once mean c > kl_stop * eps (None: KL_STOP[actor])
+    kl_stop: float = 0.0  # the actor's steps of an iteration end once a minibatch's mean c > kl_stop * eps (0: never)
     ent_start: float = 0.01  # initial alpha (entropy temperature)
     ent_target_mult: float = 0.5  # entropy target H = -ent_target_mult * action_size
     # diffusion chain
@@ -161,17 +161,6 @@ ADDED_FIELDS = {"beta_min": 0.0, "kl_stop": 0.0}
 BETA_MIN = {"diffusion": 1e-2, "gaussian": 1e-3}
 
 
-# Default early stop of the actor's steps per actor, in units of eps (docs/algorithm.md 7): after convergence one
-# iteration's steps can drift the diffusion actor to mean c ~ 2 (20 eps) while each state's own loss is already gated;
-# stopping at eps held it (benchmarks/results/cpu/ablations_trudi). REPPO's code has no such stop.
-KL_STOP = {"diffusion": 1.0, "gaussian": 0.0}
-
-
-def kl_stop_bound(cfg: Config) -> float:
-    """The mean c(s) of a minibatch past which the actor takes no more steps in the iteration (0: never)."""
-    return (KL_STOP[cfg.actor] if cfg.kl_stop is None else cfg.kl_stop) * cfg.kl_bound
-
-
 def beta_floor(cfg: Config) -> float:
     """--beta-min, or the actor's default floor of beta."""
     return BETA_MIN[cfg.actor] if cfg.beta_min is None else cfg.beta_min
@@ -227,7 +216,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         (cfg.num_old_chains > 0 and cfg.num_action_samples > 0,
          "--num-old-chains and --num-action-samples must be positive"),
         (cfg.kl_bound > 0, f"--kl-bound must be positive, got {cfg.kl_bound}"),
-        (cfg.kl_stop is None or cfg.kl_stop >= 0, f"--kl-stop must be >= 0 (0: never stop), got {cfg.kl_stop}"),
+        (cfg.kl_stop >= 0, f"--kl-stop must be >= 0 (0: never stop), got {cfg.kl_stop}"),
         (cfg.beta_min is None or cfg.beta_min >= 0, f"--beta-min must be >= 0 (0: no floor), got {cfg.beta_min}"),
         (cfg.kl_samples >= 0, f"--kl-samples must be >= 0 (0: closed form), got {cfg.kl_samples}"),
         (cfg.actor != "gaussian" or cfg.kl_samples == 0 or cfg.kl_mode == "full",
@@ -1040,8 +1029,8 @@ def update_minibatch(lr: Learner, params: Params, inputs) -> tuple[Params, dict]
     if beta_floor(lr.cfg) > 0:  # beta projected onto [beta_min, inf): a collapsed beta leaves the gate alone
         actor_params = actor_params | {"log_beta": jnp.maximum(actor_params["log_beta"], math.log(beta_floor(lr.cfg)))}
     stopped = params.actor_stopped
-    if kl_stop_bound(lr.cfg) > 0:  # c is measured before this step: past the bound, it and the later ones are skipped
-        stopped = stopped | (actor_metrics["kl"] > kl_stop_bound(lr.cfg))
+    if lr.cfg.kl_stop > 0:  # c is measured before this step: past the bound, it and the later ones are skipped
+        stopped = stopped | (actor_metrics["kl"] > lr.cfg.kl_stop * lr.cfg.kl_bound)
         actor_params, actor_opt_state = jax.tree.map(lambda old, new: jnp.where(stopped, old, new),
                                                      (params.actor, params.actor_opt_state),
                                                      (actor_params, actor_opt_state))
