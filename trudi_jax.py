@@ -85,6 +85,7 @@ class Config:
     num_minibatches: int = 8  # minibatches per epoch
     num_epochs: int = 8  # passes over each batch
     learning_rate: float = 1e-3  # Adam, actor and critic
+    anneal_lr: bool = False  # the learning rate falls linearly to 0 over the run's updates
     max_grad_norm: float = 0.5  # global gradient-norm clip (0: off)
     gamma: float = 0.99  # discount
     td_lambda: float = 0.95  # lambda of the soft lambda-returns
@@ -152,7 +153,7 @@ RUN_FIELDS = ("out_dir", "overwrite", "plot", "checkpoint_every", "keep_checkpoi
               "process_id", "tensorboard", "wandb", "wandb_project")
 
 # Fields added after checkpoints were first written, with the value that a checkpoint without them ran.
-ADDED_FIELDS = {"beta_min": 0.0, "kl_stop": 0.0}
+ADDED_FIELDS = {"beta_min": 0.0, "kl_stop": 0.0, "anneal_lr": False}
 
 
 # Default floor of beta per actor (docs/algorithm.md 7): once converged the dual update shrinks beta geometrically and
@@ -960,10 +961,18 @@ class Learner(NamedTuple):
     optimizer: optax.GradientTransformation
 
 
+def learning_rate(cfg: Config) -> float | optax.Schedule:
+    """Adam's step size: constant, or (--anneal-lr) linear from learning_rate to 0 over every update of the run."""
+    if not cfg.anneal_lr:
+        return cfg.learning_rate
+    updates = chunk_iterations(cfg) * cfg.num_evals * cfg.num_epochs * cfg.num_minibatches
+    return optax.linear_schedule(cfg.learning_rate, 0.0, updates)
+
+
 def make_learner(cfg: Config, env: Env) -> Learner:
     clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
     return Learner(cfg, env, make_actor(cfg, env), make_critic(cfg, env.critic_reads),
-                   optax.chain(*clip, optax.adam(cfg.learning_rate)))
+                   optax.chain(*clip, optax.adam(learning_rate(cfg))))
 
 
 def init_train_state(lr: Learner, key) -> TrainState:
