@@ -504,6 +504,30 @@ def test_kl_stop_ends_the_actor_steps_once_the_kl_passes_its_bound(kl_stop):
     assert T.Config().kl_stop == 0.0  # off by default (it did not remove TruDi's late drops; README)
 
 
+@pytest.mark.parametrize("anneal_lr", [False, True])
+def test_anneal_lr_shrinks_the_steps_to_zero_at_the_runs_last_update(anneal_lr):
+    """A run of 10 iterations x 2 epochs x 1 minibatch makes 20 updates. With --anneal-lr Adam's first step moves
+    each parameter by ~lr (its normalised step), the step size falls linearly, and from update 20 on nothing moves;
+    without it the parameters still move after update 20."""
+    cfg = small_config(actor="gaussian", kl_bound=1e3, learning_rate=0.01, anneal_lr=anneal_lr, total_steps=640,
+                       num_envs=2, rollout_steps=32, num_evals=1, num_epochs=2, num_minibatches=1, beta_min=0.0)
+    assert T.chunk_iterations(cfg) * cfg.num_evals * cfg.num_epochs * cfg.num_minibatches == 20
+    params, step = gaussian_minibatch_steps(cfg, target=50.0)
+    moves = []  # largest change of any actor or critic parameter, per update
+    for k in jax.random.split(jax.random.PRNGKey(4), 24):
+        new, _ = step(params, k)
+        moves.append(max(float(jnp.abs(a - b).max()) for a, b in
+                         zip(jax.tree.leaves((new.actor, new.critic)), jax.tree.leaves((params.actor, params.critic)))))
+        params = new
+    assert moves[0] == pytest.approx(cfg.learning_rate, rel=1e-3)
+    if anneal_lr:
+        assert moves[10] < 0.6 * cfg.learning_rate and moves[19] < 0.06 * cfg.learning_rate
+        assert moves[20:] == [0.0] * 4
+    else:
+        assert min(moves[20:]) > 0.1 * cfg.learning_rate
+    assert T.Config().anneal_lr is False
+
+
 def test_targets_on_a_hand_computed_three_step_rollout():
     """One environment, T = 3: t = 0 goes on, t = 1 is truncated (time limit), t = 2 terminates. With
     gamma 0.9, lambda 0.5, alpha 0.5, rewards (1, 2, 4), behaviour log-probs (-1, -1.5, -0.5), fresh samples'
@@ -570,19 +594,25 @@ def test_cli_rejects_bad_input_with_one_line(args, needle, tmp_path):
 # End to end: the fused training program runs, learns, and writes its outputs.
 # ---------------------------------------------------------------------------------------------
 # The first log points of the README's command, `python trudi_jax.py --env CartpoleBalance --preset cpu --seed S`:
-# with the preset's chunking (1.2M steps in 10 log points of 59 iterations), --total-steps k * 120,832 with
-# --num-evals k runs the very same program and random stream for its first k log points (evaluation episodes do
-# not touch the training stream, so fewer of them change nothing but the test's time).
-STEPS_PER_LOG_POINT = 59 * 64 * 32
+# the same config (1.2M steps in 10 log points of 59 iterations), ended from the log callback, runs the very same
+# program, random stream and learning-rate schedule for its first k log points (evaluation episodes do not touch
+# the training stream, so fewer of them change nothing but the test's time).
 
 
-class FirstPass(Exception):
-    """Raised from the log callback at a run's first evaluation >= 950: the rest of its budget is not needed."""
+class StopRun(Exception):
+    """Raised from the log callback: the rest of the run's budget is not needed."""
 
 
-def stop_at_first_pass(line: str) -> None:
-    if " | eval " in line and float(line.split(" | eval ")[1].split(" |")[0]) >= 950:
-        raise FirstPass
+def stop_at_first_pass_or_after(log_points: int):
+    """A log callback that ends the run at its first evaluation >= 950, or after `log_points` evaluations."""
+    evals = []
+
+    def log(line: str) -> None:
+        if " | eval " in line:
+            evals.append(float(line.split(" | eval ")[1].split(" |")[0]))
+            if evals[-1] >= 950 or len(evals) >= log_points:
+                raise StopRun
+    return log
 
 
 @pytest.mark.slow
@@ -606,11 +636,10 @@ def test_cpu_preset_learns_cartpole_balance_on_all_but_one_seed(actor, log_point
             break
         out = tmp_path / f"run{seed}"
         cfg = T.parse_config(["--env", "CartpoleBalance", "--preset", "cpu", "--actor", actor, "--seed", str(seed),
-                              "--total-steps", str(log_points * STEPS_PER_LOG_POINT), "--num-evals", str(log_points),
                               "--num-eval-envs", "16", "--out-dir", str(out), "--no-plot"])
-        assert T.chunk_iterations(cfg) == 59  # the CLI's chunking, so the CLI's random stream
-        with contextlib.suppress(FirstPass):
-            T.train(cfg, log=stop_at_first_pass)
+        assert T.chunk_iterations(cfg) == 59  # the CLI's run (its chunks, random stream and any lr schedule)
+        with contextlib.suppress(StopRun):
+            T.train(cfg, log=stop_at_first_pass_or_after(log_points))
         with open(out / "metrics.csv") as f:
             rows = list(csv.DictReader(f))
         best = max(float(r["eval_return"]) for r in rows)
