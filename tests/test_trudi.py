@@ -525,7 +525,9 @@ def test_anneal_lr_shrinks_the_steps_to_zero_at_the_runs_last_update(anneal_lr):
         assert moves[20:] == [0.0] * 4
     else:
         assert min(moves[20:]) > 0.1 * cfg.learning_rate
-    assert T.Config().anneal_lr is False
+    # the defaults: the cpu preset anneals for the diffusion actor only, the paper preset (its constant 3e-4) for none
+    assert T.anneals(T.Config()) and not T.anneals(T.Config(actor="gaussian"))
+    assert not T.anneals(T.preset_config("paper", "CartpoleBalance"))
 
 
 def test_targets_on_a_hand_computed_three_step_rollout():
