@@ -296,8 +296,9 @@ def test_loading_a_checkpoint_never_unpickles(algo, full_run, tmp_path):
 
 @ALGOS
 def test_a_checkpoint_from_before_a_field_existed_keeps_what_it_ran(algo):
-    """A saved config without a field added later (ADDED_FIELDS: --beta-min, --kl-stop) reads as the value the
-    older code ran (no floor, no stop), not as today's default; any other missing field is still refused."""
+    """A saved config without a field added later (ADDED_FIELDS: --beta-min, --kl-stop, --anneal-lr) reads as the
+    value the older code ran (no floor, no stop, a constant rate), not as today's default; any other missing field
+    is still refused."""
     saved = algo.config_dict(algo.Config())
     assert algo.ADDED_FIELDS or algo is ppo_jax
     for name, value in algo.ADDED_FIELDS.items():
