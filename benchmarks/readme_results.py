@@ -193,9 +193,11 @@ def section() -> str:
     seeds_csv = os.path.join(RESULTS, "cpu", "reproduce.csv")
     if os.path.exists(seeds_csv):
         out += ["### Learning on CPU: `--preset cpu`, one run per seed", "",
-                "None of the seeds the preset was chosen on: PPO 100-103, REPPO 100-103 and 200-203, TruDi 200-203 and",
-                "300-303 (run 2026-12-06 with its default floor of beta, 1e-2; its rows with the earlier 1e-3 on seeds",
-                "100-103 and 200-203 are in `reproduce_3bb3e98_trudi_beta_min_1e-3.csv`), each the single-seed command, e.g.",
+                "None of the seeds the preset was chosen on: PPO 100-103, REPPO 100-103 and 200-203, TruDi 300-303 and",
+                "400-403 (run 2026-12-06 with its defaults, the floor of beta 1e-2 and the annealed learning rate; its",
+                "earlier rows are in `reproduce_03ff26f_trudi_constant_lr.csv` (constant rate, seeds 200-203 and 300-303)",
+                "and `reproduce_3bb3e98_trudi_beta_min_1e-3.csv`; the `--kl-direction reverse` rows predate both, commit",
+                "e39b58b), each the single-seed command, e.g.",
                 "`python trudi_jax.py --env CartpoleBalance --preset cpu --seed 100` (`--actor gaussian` for REPPO;",
                 "`python ppo_jax.py ... --seed 100`). A constant zero action scores about 697 on CartpoleBalance",
                 "(random: 250-300), so only returns well above 700 show learning.", ""] + seed_table(seeds_csv) + [""]
@@ -203,14 +205,10 @@ def section() -> str:
     if os.path.exists(reproduction):
         with open(reproduction) as f:
             table = f.read().strip()
-        log = os.path.join(RESULTS, "cpu", "reproduce.log")
-        total = ""
-        if os.path.exists(log):
-            with open(log) as f:
-                total = next((line.strip() for line in f if line.startswith("total wall seconds")), "")
         out += ["### CPU reproduction: TruDi, REPPO, PPO (`benchmarks/reproduce.py`, commands in "
                 "`benchmarks/results/cpu/README.md`)", "",
-                f"Final evaluation return, mean ± std over seeds, next to the published numbers at 50M steps ({total}).",
+                "Final evaluation return, mean ± std over seeds, next to the published numbers at 50M steps (the runs "
+                "of the table above; wall time per seed there).",
                 "", "![reproduction curves](benchmarks/results/cpu/reproduce.png)", "", table, ""]
     suite = os.path.join(RESULTS, "cpu", "suite.md")
     if os.path.exists(suite):
