@@ -215,8 +215,11 @@ def section() -> str:
         with open(suite) as f:
             table = f.read().strip()
         with open(os.path.join(RESULTS, "cpu", "suite.csv")) as f:
-            tasks = sorted({r["env"] for r in csv.DictReader(f)})
-        out += [f"### CPU suite: TruDi, REPPO and PPO on {len(tasks)} DM Control tasks, 3 seeds each", "",
+            parts = {(r["algo"], r["env"]) for r in csv.DictReader(f)}
+        tasks = {env for _, env in parts}
+        done = ", ".join(f"{algo} {sum(a == algo for a, _ in parts)}" for algo in sorted({a for a, _ in parts}))
+        out += [f"### CPU suite: TruDi, REPPO and PPO on DM Control tasks, 3 seeds each ({len(tasks)} tasks so far; "
+                f"tasks per algorithm: {done})", "",
                 "`python benchmarks/reproduce.py --algo A --tasks T --seeds 3 --out benchmarks/results/cpu/suite.csv` "
                 "per algorithm and task (the three seeds vmapped in one program, `--preset cpu`, the same 1.2M env "
                 "steps per seed for every algorithm); figures and table by `python benchmarks/plot.py "
