@@ -863,6 +863,7 @@ def restore_state(path: str, meta: dict, payload: bytes, template, shardings=Non
                          f"shape or dtype than its header says)")
     if shardings is None:
         return jax.tree.unflatten(treedef, [jnp.asarray(a) for a in arrays])
+    shardings = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), shardings, template)  # prefix -> whole
     placed = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
               for a, sharding in zip(arrays, jax.tree.leaves(shardings))]
     return jax.tree.unflatten(treedef, placed)
@@ -954,13 +955,13 @@ def over_seeds(fn: Callable) -> Callable:
     return mapped
 
 
-def state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
+def state_shardings(mesh: Mesh) -> TrainState:
     """Environment axis (after the seed axis) of env states and reset pool split over the mesh; rest replicated.
-    The compiler partitions the program accordingly and inserts the reductions (gradients, normaliser)."""
+    One sharding per field of the train state (a prefix of its pytree, which jit and restore_state expand), so
+    no trace of the state is needed to place it. The compiler partitions the program accordingly and inserts
+    the reductions (gradients, normaliser)."""
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "envs"))
-    shardings = jax.tree.map(lambda _: replicated, abstract_state)
-    return shardings._replace(env_state=jax.tree.map(lambda _: split, abstract_state.env_state),
-                              reset_pool=jax.tree.map(lambda _: split, abstract_state.reset_pool))
+    return TrainState(*[replicated] * len(TrainState._fields))._replace(env_state=split, reset_pool=split)
 
 
 def open_sinks(cfg: Config, name: str, wandb_id: str | None = None) -> tuple[list, str | None]:
@@ -1081,10 +1082,9 @@ def train(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
     init, chunk, _ = make_train(cfg, env)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(cfg.seed), i))(jnp.arange(cfg.num_seeds))
     mesh = Mesh(np.array(jax.devices()), ("envs",))
-    abstract_state = jax.eval_shape(over_seeds(init), keys)
-    shardings = state_shardings(abstract_state, mesh)
+    shardings = state_shardings(mesh)
     if cfg.resume:
-        ts = restore_state(resume_path, meta, payload, abstract_state, shardings)
+        ts = restore_state(resume_path, meta, payload, jax.eval_shape(over_seeds(init), keys), shardings)
         rows, first_chunk, wall, saved_steps = meta["rows"], meta["chunks_done"], meta["wall_s"], meta["env_steps"]
         last_good = resume_path
         log(f"[{name} {cfg.env}] resuming {resume_path} after {meta['env_steps']:,} env steps")

@@ -29,7 +29,7 @@ def measure(module, env_name: str, preset: str, repeats: int) -> dict:
     init, _, _ = module.make_train(cfg, env)
     keys = jax.random.PRNGKey(0)[None]
     mesh = module.Mesh(np.array(jax.devices()), ("envs",))
-    shardings = module.state_shardings(jax.eval_shape(module.over_seeds(init), keys), mesh)
+    shardings = module.state_shardings(mesh)
     ts = jax.block_until_ready(jax.jit(module.over_seeds(init), out_shardings=shardings)(keys))
     leaves = jax.tree.leaves(ts)
     parts = {"env states + reset pool": jax.tree.leaves((ts.env_state, ts.reset_pool))}

@@ -727,7 +727,7 @@ assert jax.device_count() == 2
 init, _, _ = {algo}.make_train(cfg, {algo}.make_env(cfg.env))
 keys = jax.numpy.zeros((1, 2), jax.numpy.uint32)
 mesh = {algo}.Mesh(np.array(jax.devices()), ("envs",))
-shardings = {algo}.state_shardings(jax.eval_shape(jax.vmap(init), keys), mesh)
+shardings = {algo}.state_shardings(mesh)
 ts = jax.jit(jax.vmap(init), out_shardings=shardings)(keys)
 shard_shapes = sorted({{s.data.shape for s in ts.env_state.t.addressable_shards}})
 rows = {algo}.train(cfg, log=lambda line: None)
