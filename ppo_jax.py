@@ -92,7 +92,7 @@ class Config:
     init_log_std: float = 0.0  # initial log-std of the Gaussian
     episode_length: int = 1000  # time limit (truncation, bootstrapped)
     num_evals: int = 10  # evaluations (and log lines) over the run
-    num_eval_envs: int = 128  # fresh episodes per evaluation (deterministic policy)
+    num_eval_envs: int = 128  # fresh episodes per evaluation (deterministic policy; 0: none, NaN)
     out_dir: str | None = None  # outputs go here (None: a new runs/<algo>_<env>_<seed>_<date-time>)
     overwrite: bool = False  # replace a previous run's outputs in --out-dir (else such a directory is refused)
     plot: bool = True  # write <out_dir>/curve.png at the end
@@ -167,7 +167,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         ((cfg.num_envs * cfg.rollout_steps) % cfg.num_minibatches == 0,
          f"batch num_envs*rollout_steps = {cfg.num_envs * cfg.rollout_steps} is not divisible into "
          f"--num-minibatches {cfg.num_minibatches}"),
-        (cfg.num_evals > 0 and cfg.num_eval_envs > 0, "--num-evals and --num-eval-envs must be positive"),
+        (cfg.num_evals > 0 and cfg.num_eval_envs >= 0, "--num-evals must be positive and --num-eval-envs non-negative (0: no evaluation)"),
         (len(cfg.policy_hidden) > 0 and min(cfg.policy_hidden) > 0, f"--policy-hidden needs one or more positive widths, got {cfg.policy_hidden}"),
         (len(cfg.value_hidden) > 0 and min(cfg.value_hidden) > 0, f"--value-hidden needs one or more positive widths, got {cfg.value_hidden}"),
         (cfg.episode_length > 0, f"--episode-length must be positive, got {cfg.episode_length}"),
@@ -658,10 +658,13 @@ def train_chunk(lr: Learner, ts: TrainState) -> tuple[TrainState, dict]:
     metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
     metrics["physics_resets"] = physics_resets
     metrics.update(first_nonfinite(nonfinite, first_iteration))
-    key, k_eval = jax.random.split(ts.key)
-    act = eval_policy(cfg, lr.env, *policy_of(ts))
-    metrics["eval_return"], metrics["eval_return_std"] = run_episodes(lr.env, act, k_eval, cfg.num_eval_envs,
-                                                                      cfg.episode_length)
+    key, k_eval = jax.random.split(ts.key)  # drawn either way: evaluating never changes the training
+    if cfg.num_eval_envs:
+        act = eval_policy(cfg, lr.env, *policy_of(ts))
+        metrics["eval_return"], metrics["eval_return_std"] = run_episodes(lr.env, act, k_eval, cfg.num_eval_envs,
+                                                                          cfg.episode_length)
+    else:  # --num-eval-envs 0: no evaluation episodes (and none of their program)
+        metrics["eval_return"] = metrics["eval_return_std"] = jnp.array(jnp.nan, jnp.float32)
     return ts._replace(key=key), metrics
 
 

@@ -126,7 +126,7 @@ class Config:
     normalize_obs: bool = True  # running mean/variance observation normalisation
     episode_length: int = 1000  # time limit (truncation, bootstrapped)
     num_evals: int = 10  # evaluations (and log lines) over the run
-    num_eval_envs: int = 64  # fresh episodes per evaluation
+    num_eval_envs: int = 64  # fresh episodes per evaluation (0: none; eval_return is NaN)
     out_dir: str | None = None  # outputs go here (None: a new runs/<algo>_<env>_<seed>_<date-time>)
     overwrite: bool = False  # replace a previous run's outputs in --out-dir (else such a directory is refused)
     plot: bool = True  # write <out_dir>/curve.png at the end
@@ -234,7 +234,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         (cfg.actor != "gaussian" or cfg.kl_samples == 0 or cfg.kl_mode == "full",
          "--kl-mode mean is a closed form: with --actor gaussian it needs --kl-samples 0"),
         (cfg.vmax > cfg.vmin and cfg.num_bins > 1, "--vmax must exceed --vmin and --num-bins must exceed 1"),
-        (cfg.num_evals > 0 and cfg.num_eval_envs > 0, "--num-evals and --num-eval-envs must be positive"),
+        (cfg.num_evals > 0 and cfg.num_eval_envs >= 0, "--num-evals must be positive and --num-eval-envs non-negative (0: no evaluation)"),
         (len(cfg.actor_hidden) > 0 and min(cfg.actor_hidden) > 0, f"--actor-hidden needs one or more positive widths, got {cfg.actor_hidden}"),
         (len(cfg.critic_hidden) > 0 and min(cfg.critic_hidden) > 0, f"--critic-hidden needs one or more positive widths, got {cfg.critic_hidden}"),
         (cfg.episode_length > 0, f"--episode-length must be positive, got {cfg.episode_length}"),
@@ -1108,10 +1108,13 @@ def train_chunk(lr: Learner, ts: TrainState) -> tuple[TrainState, dict]:
     metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
     metrics["physics_resets"] = physics_resets
     metrics.update(first_nonfinite(nonfinite, first_iteration))
-    key, k_eval = jax.random.split(ts.key)
-    act = eval_policy(cfg, lr.env, *policy_of(ts))
-    metrics["eval_return"], metrics["eval_return_std"] = run_episodes(lr.env, act, k_eval, cfg.num_eval_envs,
-                                                                      cfg.episode_length)
+    key, k_eval = jax.random.split(ts.key)  # drawn either way: evaluating never changes the training
+    if cfg.num_eval_envs:
+        act = eval_policy(cfg, lr.env, *policy_of(ts))
+        metrics["eval_return"], metrics["eval_return_std"] = run_episodes(lr.env, act, k_eval, cfg.num_eval_envs,
+                                                                          cfg.episode_length)
+    else:  # --num-eval-envs 0: no evaluation episodes (and none of their program)
+        metrics["eval_return"] = metrics["eval_return_std"] = jnp.array(jnp.nan, jnp.float32)
     return ts._replace(key=key), metrics
 
 

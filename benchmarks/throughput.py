@@ -82,7 +82,8 @@ class Bench:
     repeats: int = 5  # timed rounds per runner; the median is reported
     quick: bool = False  # small preset: both default tasks in ~15 minutes on 2 CPU cores
     json: str | None = None  # also write the results to this file
-    runners: tuple[str, ...] = ("ppo_jax", "brax_ppo")  # which of: ppo_jax brax_ppo trudi reppo
+    runners: tuple[str, ...] = ("ppo_jax", "brax_ppo")  # which of: ppo_jax brax_ppo trudi reppo ppo_jax_rollout
+    # brax_rollout (the last two: the rollout alone, so update = whole - rollout)
     num_diffusion_steps: int = trudi_jax.Config.num_diffusion_steps  # TruDi's N
     num_old_chains: int | None = None  # TruDi's K (None: the preset's; the cpu preset's with the bench shape)
     kl_direction: Literal["forward", "reverse"] = "forward"  # TruDi's trust-region KL (trudi_jax --kl-direction)
@@ -358,8 +359,85 @@ def brax_ppo_runner(bench: Bench, env_name: str) -> Runner:
     return Runner(None, time.perf_counter() - start, run_block, close, steps_per_block)
 
 
+# ---------------------------------------------------------------------------------------------
+# Rollouts alone (no update): where a trainer's time goes, measured in the same alternating rounds.
+# ---------------------------------------------------------------------------------------------
+def ppo_jax_rollout_runner(bench: Bench, env_name: str) -> Runner:
+    """ppo_jax's collect_rollout (policy sampling, physics, reset-pool refresh) for a block's iterations."""
+    cfg = ppo_config(bench, env_name)
+    env = ppo_jax.make_env(cfg.env)
+    lr = ppo_jax.make_learner(cfg, env)
+    start = time.perf_counter()
+    ts = jax.block_until_ready(jax.jit(lambda k: ppo_jax.init_train_state(lr, k))(jax.random.PRNGKey(0)))
+
+    def block(ts):
+        def iteration(ts, _):
+            key, k_roll = jax.random.split(ts.key)
+            env_state, reset_pool, traj, _ = ppo_jax.collect_rollout(lr, ts, k_roll)
+            return ts._replace(env_state=env_state, reset_pool=reset_pool, key=key, iteration=ts.iteration + 1), \
+                traj.reward.sum()
+        return jax.lax.scan(iteration, ts, None, length=bench.iterations)
+
+    compiled = jax.jit(block, donate_argnums=0).lower(ts).compile()
+    return timed_block_runner(compiled, ts, time.perf_counter() - start,
+                              bench.iterations * cfg.num_envs * cfg.rollout_steps)
+
+
+def brax_rollout_runner(bench: Bench, env_name: str) -> Runner:
+    """Brax PPO's rollout as its training step runs it (acting.generate_unroll on Playground's Brax wrapper,
+    the same extra fields, a freshly initialised PPO policy network of the same widths) for a block's iterations."""
+    from brax.training import acting
+    from brax.training.acme import running_statistics, specs
+    from brax.training.agents.ppo import networks as ppo_networks
+    from mujoco_playground import registry, wrapper
+
+    cfg = ppo_config(bench, env_name)
+    env = wrapper.wrap_for_brax_training(registry.load(env_name, config_overrides={"impl": "jax"}),
+                                         episode_length=cfg.episode_length, action_repeat=1)
+    start = time.perf_counter()
+    obs_size = env.observation_size
+    nets = ppo_networks.make_ppo_networks(obs_size, env.action_size,
+                                          preprocess_observations_fn=running_statistics.normalize,
+                                          policy_hidden_layer_sizes=cfg.policy_hidden,
+                                          value_hidden_layer_sizes=cfg.value_hidden)
+    make_policy = ppo_networks.make_inference_fn(nets)
+    key_pi, key_v, key_env, key = jax.random.split(jax.random.PRNGKey(0), 4)
+    normalizer = running_statistics.init_state(specs.Array((obs_size,), jnp.dtype("float32")))
+    params = (normalizer, nets.policy_network.init(key_pi), nets.value_network.init(key_v))
+    state = jax.block_until_ready(jax.jit(env.reset)(jax.random.split(key_env, cfg.num_envs)))
+
+    def block(carry):
+        state, key = carry
+        policy = make_policy(params)
+
+        def iteration(carry, _):
+            state, key = carry
+            key, k = jax.random.split(key)
+            state, data = acting.generate_unroll(env, state, policy, k, cfg.rollout_steps,
+                                                 extra_fields=("truncation", "episode_metrics", "episode_done"))
+            return (state, key), data.reward.sum()
+        return jax.lax.scan(iteration, (state, key), None, length=bench.iterations)
+
+    compiled = jax.jit(block, donate_argnums=0).lower((state, key)).compile()
+    return timed_block_runner(compiled, (state, key), time.perf_counter() - start,
+                              bench.iterations * cfg.num_envs * cfg.rollout_steps)
+
+
+def timed_block_runner(compiled, carry, compile_s: float, steps_per_block: int) -> Runner:
+    state = {"carry": carry}
+
+    def run_block() -> float:
+        start = time.perf_counter()
+        state["carry"], _ = jax.block_until_ready(compiled(state["carry"]))
+        return time.perf_counter() - start
+
+    return Runner(compile_s, run_block(), run_block, lambda: {}, steps_per_block)
+
+
 RUNNERS: dict[str, Callable[[Bench, str], Runner]] = {"ppo_jax": ppo_jax_runner, "brax_ppo": brax_ppo_runner,
-                                                      "trudi": trudi_runner, "reppo": reppo_runner}
+                                                      "trudi": trudi_runner, "reppo": reppo_runner,
+                                                      "ppo_jax_rollout": ppo_jax_rollout_runner,
+                                                      "brax_rollout": brax_rollout_runner}
 BASELINE = "brax_ppo"  # the ratio column is <runner>_sps / BASELINE_sps
 
 
@@ -392,8 +470,14 @@ def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print) -> 
         if "trudi_flops_per_step" in row and "reppo_flops_per_step" in row:
             row["trudi_flops_per_step_vs_reppo"] = row["trudi_flops_per_step"] / row["reppo_flops_per_step"]
     for name in runners:
-        if name != BASELINE and BASELINE in runners:
+        if name not in (BASELINE, "ppo_jax_rollout", "brax_rollout") and BASELINE in runners:
             row["ratio" if name == "ppo_jax" else f"ratio_{name}"] = row[f"{name}_sps"] / row[f"{BASELINE}_sps"]
+    if "ppo_jax_rollout" in runners and "brax_rollout" in runners:
+        row["rollout_ratio"] = row["ppo_jax_rollout_sps"] / row["brax_rollout_sps"]
+    for whole, rollout in (("ppo_jax", "ppo_jax_rollout"), ("brax_ppo", "brax_rollout")):
+        if whole in runners and rollout in runners:  # microseconds per env step: rollout, and the rest (update)
+            row[f"{whole}_rollout_us_per_step"] = 1e6 / row[f"{rollout}_sps"]
+            row[f"{whole}_update_us_per_step"] = 1e6 / row[f"{whole}_sps"] - 1e6 / row[f"{rollout}_sps"]
     return row
 
 
@@ -402,6 +486,8 @@ def markdown_table(rows: list[dict]) -> str:
     ratios = {key: f"{key} (vs {BASELINE})" for key in rows[0] if key == "ratio" or key.startswith("ratio_")}
     if "trudi_sps" in rows[0] and "reppo_sps" in rows[0]:
         ratios["trudi_time_per_step_vs_reppo"] = "TruDi time per step / REPPO's"
+    if "rollout_ratio" in rows[0]:
+        ratios["rollout_ratio"] = "rollout alone: ppo_jax_rollout / brax_rollout"
     if "trudi_flops_per_step_vs_reppo" in rows[0]:
         ratios["trudi_flops_per_step_vs_reppo"] = "TruDi FLOPs per step / REPPO's"
     header = (["env"] + [f"{n} steps/s" for n in names] + list(ratios.values())
@@ -411,6 +497,19 @@ def markdown_table(rows: list[dict]) -> str:
         cells = ([row["env"]] + [f"{row[f'{n}_sps']:,.0f}" for n in names] + [f"{row[r]:.2f}" for r in ratios]
                  + [f"{row[f'{n}_compile_s']:.1f}" for n in names])
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def split_table(rows: list[dict]) -> str:
+    """Microseconds per env step in the rollout and in the rest of an iteration (the update), where measured."""
+    names = [n for n in ("ppo_jax", "brax_ppo") if f"{n}_rollout_us_per_step" in rows[0]]
+    if not names:
+        return ""
+    header = ["env"] + [f"{n} {part} us/step" for n in names for part in ("rollout", "update")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join([row["env"]] + [f"{row[f'{n}_{part}_us_per_step']:.1f}" for n in names
+                                                       for part in ("rollout", "update")]) + " |")
     return "\n".join(lines)
 
 
@@ -450,6 +549,7 @@ def main(argv: list[str]) -> list[dict]:
     else:
         rows = [measure(bench, name) | context for name in bench.envs]
         print(markdown_table(rows))
+        print(split_table(rows))
     if bench.json:
         with open(bench.json, "w") as f:
             json.dump(rows, f, indent=2)

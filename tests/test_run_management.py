@@ -33,9 +33,11 @@ TIMING = ("wall_s", "steps_per_sec")  # the only columns allowed to differ betwe
 
 
 def tiny(algo, out_dir, **overrides):
-    """A CartpoleBalance run of 3 log points x 2 iterations that compiles in well under a minute on CPU."""
+    """A CartpoleBalance run of 3 log points x 2 iterations that compiles in well under a minute on CPU. Without
+    evaluation episodes (--num-eval-envs 0), which would add a third copy of the physics to the program (init,
+    rollout, evaluation: ~35 % of its compile time); the tests of evaluation turn them on."""
     common = dict(env="CartpoleBalance", num_envs=8, rollout_steps=8, num_minibatches=2, num_epochs=1,
-                  total_steps=8 * 8 * 2 * 3, num_evals=3, num_eval_envs=2, episode_length=50, out_dir=str(out_dir),
+                  total_steps=8 * 8 * 2 * 3, num_evals=3, num_eval_envs=0, episode_length=50, out_dir=str(out_dir),
                   plot=False, checkpoint_every=1, keep_checkpoints=2)
     if algo is trudi_jax:
         common.update(actor_hidden=(16,), critic_hidden=(16,), num_bins=11, num_diffusion_steps=2)
@@ -44,7 +46,8 @@ def tiny(algo, out_dir, **overrides):
     return algo.Config(**(common | overrides))
 
 
-KINDS = {"ppo": (ppo_jax, {}), "trudi": (trudi_jax, {}), "reppo": (trudi_jax, dict(actor="gaussian", num_seeds=2))}
+KINDS = {"ppo": (ppo_jax, {}), "trudi": (trudi_jax, {}),
+         "reppo": (trudi_jax, dict(actor="gaussian", num_seeds=2, num_eval_envs=2))}  # with evaluation episodes
 
 
 @pytest.fixture(scope="module")
@@ -480,6 +483,21 @@ def point_env(algo, step_fn, reset_obs=(0.0, 0.0)):
 
 
 @ALGOS
+def test_no_evaluation_changes_nothing_but_the_evaluation(algo):
+    """--num-eval-envs 0 drops the evaluation episodes from the program (eval_return NaN) and nothing else: the
+    train state after a chunk is the same, bit for bit (the evaluation key is drawn either way)."""
+    env = point_env(algo, lambda sim, nxt, action: nxt)
+    states = []
+    for num_eval_envs in (2, 0):
+        init, chunk, _ = algo.make_train(tiny(algo, None, num_eval_envs=num_eval_envs), env)
+        ts, metrics = jax.jit(chunk)(jax.jit(init)(jax.random.PRNGKey(0)))
+        assert np.isfinite(metrics["eval_return"]) == (num_eval_envs > 0)
+        states.append(jax.device_get(ts))
+    for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
+        np.testing.assert_array_equal(a, b)
+
+
+@ALGOS
 def test_blown_up_environment_is_reset_and_masked(algo):
     def blow_up_env_1(sim, nxt, action):
         return nxt.replace(obs=jnp.where(sim.obs[1] > 100, jnp.nan, nxt.obs))
@@ -612,7 +630,7 @@ BAD_FLAGS = [
     (["--eval-only"], "--eval-only needs --checkpoint"),
     (["--eval-episodes", "0"], "--eval-episodes must be positive"),
     (["--video", "run.gif"], "--video must name an .mp4 file"),
-    (["--num-evals", "0"], "--num-evals and --num-eval-envs must be positive"),
+    (["--num-evals", "0"], "--num-evals must be positive"),
     (["--checkpoint", "runs/x/checkpoint.msgpack"], "--checkpoint is read by --eval-only only"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be positive"),
     (["--video", "/dev/null/x.mp4"], "--video /dev/null/x.mp4: cannot be created"),  # even as root
@@ -781,7 +799,7 @@ def test_distributed_two_processes_match_one_process(algo, full_run, tmp_path):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     flags = ["--env", "CartpoleBalance", "--num-envs", "8", "--rollout-steps", "8", "--num-minibatches", "2",
-             "--num-epochs", "1", "--total-steps", str(8 * 8 * 2 * 3), "--num-evals", "3", "--num-eval-envs", "2",
+             "--num-epochs", "1", "--total-steps", str(8 * 8 * 2 * 3), "--num-evals", "3", "--num-eval-envs", "0",
              "--episode-length", "50", *DISTRIBUTED_FLAGS[algo], "--no-plot",
              "--checkpoint-every", "1", "--out-dir", str(tmp_path / "run"), "--distributed",
              "--coordinator-address", f"localhost:{port}", "--num-processes", "2"]
