@@ -43,7 +43,7 @@ def minibatch_inputs(cfg: T.Config):
     lr = T.make_learner(cfg, env)
     key = jax.random.PRNGKey(0)
     ts = jax.jit(lambda k: T.init_train_state(lr, k))(key)
-    _, _, traj, _ = jax.jit(lambda ts, k: T.collect_rollout(lr, ts, k))(ts, key)
+    _, _, traj, _ = jax.jit(lambda ts, k: T.collect_rollout(lr, ts, k, False))(ts, key)
     batch = jax.jit(lambda ts, tr, k: T.compute_targets(lr.actor, lr.critic, cfg, ts.actor_params, ts.critic_params,
                                                         ts.norm, tr, k))(ts, traj, key)
     size = cfg.num_envs * cfg.rollout_steps // cfg.num_minibatches

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
         ts = ts._replace(actor_params=actor)
 
     def chunk(ts):
-        ts, metrics = jax.lax.scan(functools.partial(T.train_iteration, lr), ts, None, length=T.chunk_iterations(cfg))
+        ts, metrics = jax.lax.scan(functools.partial(T.train_iteration, lr), ts, jnp.arange(T.chunk_iterations(cfg)))
         metrics.pop("nonfinite")
         return metrics
 

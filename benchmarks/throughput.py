@@ -31,9 +31,11 @@ How each trainer is timed:
   setup: environment reset, network init). Brax's own `training/sps` timer is recorded as a check.
 
 Not the same work per step: Brax's Playground wrapper resets a finished environment to its cached first
-state, while the algorithm files keep a pool of fresh initial states and re-sample 1/(episode_length /
-rollout_steps) of it per iteration; where a reset simulates (CheetahRun settles for 200 physics steps), that
-costs about 200 * rollout_steps / episode_length extra physics steps per environment and iteration.
+state, while the algorithm files keep a pool of fresh initial states and renew all of it once per
+episode_length // rollout_steps iterations (at the first iteration of each chunk and every such period within
+it); where a reset simulates (CheetahRun settles for 200 physics steps), that costs about 200 * rollout_steps /
+episode_length extra physics steps per environment and iteration. A block should therefore span at least one
+renewal period (the presets' --iterations: 31 = 1000 // 32), or the renewal is paid more often than in training.
 
 TruDi and REPPO (`--runners trudi reppo`) use trudi_jax's cpu-preset networks with the bench's batch shape;
 the table then also gives TruDi's time per environment step relative to REPPO's.
@@ -78,7 +80,7 @@ class Bench:
     num_epochs: int = 8  # passes over each batch (Brax: num_updates_per_batch)
     policy_hidden: tuple[int, ...] = ppo_jax.Config.policy_hidden  # policy MLP widths
     value_hidden: tuple[int, ...] = ppo_jax.Config.value_hidden  # value MLP widths
-    iterations: int = 10  # PPO iterations per timed block (Brax: training steps per epoch)
+    iterations: int = 31  # PPO iterations per timed block (Brax: training steps per epoch); >= one pool renewal period
     repeats: int = 5  # timed rounds per runner; the median is reported
     quick: bool = False  # small preset: both default tasks in ~15 minutes on 2 CPU cores
     json: str | None = None  # also write the results to this file
@@ -94,7 +96,7 @@ class Bench:
     flops_only: bool = False  # only count FLOPs per env step (no compile of the whole program, no timing)
 
 
-QUICK = Bench(num_envs=128, rollout_steps=32, num_minibatches=8, num_epochs=8, iterations=4, repeats=3, quick=True)
+QUICK = Bench(num_envs=128, rollout_steps=32, num_minibatches=8, num_epochs=8, iterations=31, repeats=3, quick=True)
 
 
 def parse_bench(argv: list[str]) -> Bench:
@@ -186,7 +188,7 @@ def flop_count(module, cfg) -> dict:
     key = jax.random.PRNGKey(0)
     ts = jax.eval_shape(lambda k: module.init_train_state(lr, k), key)
     T, B, M = cfg.rollout_steps, cfg.num_envs, cfg.num_minibatches
-    traj = jax.eval_shape(lambda ts, k: module.collect_rollout(lr, ts, k)[2], ts, key)
+    traj = jax.eval_shape(lambda ts, k: module.collect_rollout(lr, ts, k, False)[2], ts, key)
     obs = jax.ShapeDtypeStruct((B, env.obs_size), jnp.float32)
     action = jax.ShapeDtypeStruct((B, env.action_size), jnp.float32)
     if module is trudi_jax:
@@ -208,10 +210,11 @@ def flop_count(module, cfg) -> dict:
         update = cost(lambda ts, mb: module.update_minibatch(lr, (ts.params, ts.opt_state), mb), ts, minibatch)
     env_step = cost(lambda ts, a: module.env_step(env, ts.env_state, a, ts.reset_pool, cfg.episode_length), ts,
                     action)
-    block = module.reset_block_size(B, cfg.episode_length, T)
-    refresh = cost(lambda ts, k: module.refresh_pool(env, ts.reset_pool, k, ts.iteration, block), ts, key)
+    # the whole pool is renewed once per renewal period: its resets, spread over the iterations of a period
+    renewal = cost(lambda k: module.env_reset(env, jax.random.split(k, B)), key)
+    period = module.pool_renewal_period(cfg.episode_length, T)
     pieces = {"policy_step": T * policy_step["flops"], "env_step": T * env_step["flops"],
-              "reset_refresh": refresh["flops"], "targets": targets["flops"],
+              "reset_refresh": renewal["flops"] / period, "targets": targets["flops"],
               "update": cfg.num_epochs * M * update["flops"]}
     steps = T * B
     return {"flops_per_step": sum(pieces.values()) / steps,
@@ -373,7 +376,8 @@ def ppo_jax_rollout_runner(bench: Bench, env_name: str) -> Runner:
     def block(ts):
         def iteration(ts, _):
             key, k_roll = jax.random.split(ts.key)
-            env_state, reset_pool, traj, _ = ppo_jax.collect_rollout(lr, ts, k_roll)
+            renew = ts.iteration % ppo_jax.pool_renewal_period(cfg.episode_length, cfg.rollout_steps) == 0
+            env_state, reset_pool, traj, _ = ppo_jax.collect_rollout(lr, ts, k_roll, renew)
             return ts._replace(env_state=env_state, reset_pool=reset_pool, key=key, iteration=ts.iteration + 1), \
                 traj.reward.sum()
         return jax.lax.scan(iteration, ts, None, length=bench.iterations)

@@ -43,19 +43,24 @@ def test_truncated_step_reports_final_obs_and_continues_from_pool(algo):
 
 
 @ALGOS
-def test_reset_pool_is_renewed_block_by_block_once_per_episode_length(algo):
+def test_reset_pool_is_renewed_whole_once_per_episode_length_and_kept_in_between(algo):
+    """refresh_pool re-samples every slot where renew, else returns the pool unchanged; the training loop renews at
+    the chunk's iterations 0, P, 2P, ... (P = episode_length // rollout_steps). Its predicate, the iteration's index
+    in the chunk, has no seed axis, so under vmap over seeds the lax.cond stays a branch: a select would run the
+    resets (up to 200 physics steps each) at every iteration."""
     env = counter_env(algo)
-    num_envs, episode_length, rollout_steps = 8, 100, 25
-    block = algo.reset_block_size(num_envs, episode_length, rollout_steps)
-    assert block == 2  # 4 iterations per episode length -> 4 blocks of 2
-    pool = algo.env_reset(env, jax.random.split(jax.random.PRNGKey(0), num_envs))
-    ids = [np.asarray(pool.sim.obs[:, 1])]
-    for iteration in range(4):
-        pool = algo.refresh_pool(env, pool, jax.random.PRNGKey(10 + iteration), iteration, block)
-        ids.append(np.asarray(pool.sim.obs[:, 1]))
-        changed = np.flatnonzero(ids[-1] != ids[-2])
-        np.testing.assert_array_equal(changed, [2 * iteration, 2 * iteration + 1])
-    assert np.all(ids[-1] != ids[0])  # after one episode length every slot is fresh
+    assert algo.pool_renewal_period(100, 25) == 4 and algo.pool_renewal_period(10, 25) == 1
+    pool = algo.env_reset(env, jax.random.split(jax.random.PRNGKey(0), 8))
+    kept = algo.refresh_pool(env, pool, jax.random.PRNGKey(1), jnp.array(False))
+    renewed = algo.refresh_pool(env, pool, jax.random.PRNGKey(1), jnp.array(True))
+    jax.tree.map(np.testing.assert_array_equal, kept, pool)
+    assert np.all(np.asarray(renewed.sim.obs[:, 1]) != np.asarray(pool.sim.obs[:, 1]))  # every slot fresh
+    pools = jax.tree.map(lambda x: jnp.stack([x, x]), pool)  # 2 seeds
+    keys = jax.random.split(jax.random.PRNGKey(2), 2)
+    seeds = jax.vmap(lambda p, k, i: algo.refresh_pool(env, p, k, i % 4 == 0), in_axes=(0, 0, None))
+    assert "cond[" in str(jax.make_jaxpr(seeds)(pools, keys, 3))  # a branch, not a select of both
+    np.testing.assert_array_equal(seeds(pools, keys, 3).sim.obs, pools.sim.obs)
+    assert np.all(np.asarray(seeds(pools, keys, 4).sim.obs[:, :, 1]) != np.asarray(pools.sim.obs[:, :, 1]))
 
 
 @ALGOS
