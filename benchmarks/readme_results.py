@@ -107,7 +107,8 @@ def throughput_tables(folder: str) -> list[str]:
     for path in sorted(glob.glob(os.path.join(RESULTS, folder, "throughput*.json"))):
         with open(path) as f:
             rows = json.load(f)
-        names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "reppo") if f"{n}_sps" in rows[0]]
+        names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "reppo", "ppo_jax_rollout", "brax_rollout")
+                 if f"{n}_sps" in rows[0]]
         extra = rows[0]
         if extra.get("preset") in ("paper", "cpu"):
             shape = f"each runner at its {extra['preset']} preset: " + "; ".join(
@@ -124,8 +125,14 @@ def throughput_tables(folder: str) -> list[str]:
         ratios = []
         if "ratio" in rows[0]:
             ratios.append(("ratio", "ppo_jax / Brax PPO"))
+        if "rollout_ratio" in rows[0]:
+            ratios.append(("rollout_ratio", "rollout alone: ppo_jax / Brax"))
         if "trudi_time_per_step_vs_reppo" in rows[0]:
             ratios.append(("trudi_time_per_step_vs_reppo", "TruDi time per step / REPPO's"))
+        split = [(f"{n}_{part}_us_per_step", f"{label} {part} µs/step") for n, label in
+                 (("ppo_jax", "ppo_jax"), ("brax_ppo", "Brax")) for part in ("rollout", "update")
+                 if f"{n}_{part}_us_per_step" in rows[0]]
+        ratios += split
         header += [label for _, label in ratios]
         per_million = extra.get("preset") == "cpu"  # a task's cost in the CPU suite
         header += [f"{n} min per 1M steps" for n in names if per_million]
