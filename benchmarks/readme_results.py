@@ -225,8 +225,9 @@ def section() -> str:
             parts = {(r["algo"], r["env"]) for r in csv.DictReader(f)}
         tasks = {env for _, env in parts}
         done = ", ".join(f"{algo} {sum(a == algo for a, _ in parts)}" for algo in sorted({a for a, _ in parts}))
-        out += [f"### CPU suite: TruDi, REPPO and PPO on DM Control tasks, 3 seeds each ({len(tasks)} tasks so far; "
-                f"tasks per algorithm: {done})", "",
+        complete = len(parts) == len(tasks) * len({a for a, _ in parts})  # every algorithm on every task
+        count = f"{len(tasks)} tasks" if complete else f"{len(tasks)} tasks so far; tasks per algorithm: {done}"
+        out += [f"### CPU suite: TruDi, REPPO and PPO on DM Control tasks, 3 seeds each ({count})", "",
                 "`python benchmarks/reproduce.py --algo A --tasks T --seeds 3 --out benchmarks/results/cpu/suite.csv` "
                 "per algorithm and task (the three seeds vmapped in one program, `--preset cpu`, the same 1.2M env "
                 "steps per seed for every algorithm); figures and table by `python benchmarks/plot.py "
