@@ -9,6 +9,11 @@
 #        16 epochs: about 1M env steps per iteration).
 #   benchmarks/gpu_check.sh humanoid  short TruDi runs at the paper preset: G1JoystickFlatTerrain (privileged critic,
 #     randomised robots; 1.5M steps) and HumanoidWalk (1.5M steps): compile time, env steps/s, the first returns.
+# The speed runs time blocks of one iteration (--iterations 1; 31, one reset-pool renewal period, would not fit), so
+# every timed block renews the whole reset pool, which training does once per 31 iterations: on HumanoidWalk a reset
+# is one mjx.forward (no settling steps, unlike CheetahRun's 200), so that adds about one physics step per env to the
+# block's 32 steps (a few per cent of the rollout at most), paid by TruDi and REPPO alike, and by ppo_jax but not by
+# Brax's PPO (Playground's Brax wrapper resets each env to its own first state).
 # Measured on 2026-12-04: a first version that also timed a 2M-step TruDi training run inside the speed part did not
 # fit: each TruDi program compiles for 80-100 s on the H200, and four runners in one part did not finish in 330 s.
 # Writes into benchmarks/results/gpu/ (or $OUT when set). On a machine whose image lacks brax/mujoco/playground/tyro,
