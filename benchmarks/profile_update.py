@@ -7,9 +7,10 @@ the paper's sizes). At the paper preset the update is 98.5 % of TruDi's FLOPs pe
     python benchmarks/profile_update.py --runners trudi -- --num-old-chains 1  # flags after -- go to trudi_jax
 
 Each piece is jitted alone on a real minibatch (one rollout, its targets, the first minibatch of the batch) and
-timed as the median of --repeats calls after one warm-up; its FLOPs are XLA's cost analysis with scans unrolled
-(as benchmarks/throughput.py counts them) of the same piece with --remat off: the algorithm's FLOPs, not counting
-the forward passes that rematerialisation repeats, so GFLOP/s is the rate of useful work. Pieces:
+timed as the median of --repeats calls after one warm-up, the pieces in alternating rounds; its FLOPs are XLA's
+cost analysis with scans unrolled (as benchmarks/throughput.py counts them) of the same piece with --remat off:
+the algorithm's FLOPs, not counting the forward passes that rematerialisation repeats, so GFLOP/s is the rate of
+useful work. Pieces:
   update        update_minibatch: critic gradient step, then actor gradient step (what the epochs repeat)
   critic_grad   gradient of the critic loss
   actor_grad    gradient of the actor loss (chain or Gaussian sample, Q, trust-region KL, duals)
@@ -81,20 +82,22 @@ def pieces(lr: T.Learner, params: T.Params, mb, key) -> dict:
     }
 
 
-def profile(cfg: T.Config, repeats: int, log=print) -> dict:
+def profile(cfg: T.Config, repeats: int, names=None, log=print) -> dict:
     lr, params, mb, key = minibatch_inputs(cfg)
     counted = pieces(T.make_learner(dataclasses.replace(cfg, remat="off"), lr.env), params, mb, key)
-    out = {}
-    for name, (fn, args) in pieces(lr, params, mb, key).items():
-        compiled = jax.jit(fn).lower(*args).compile()
-        jax.block_until_ready(compiled(*args))
-        times = []
-        for _ in range(repeats):
+    table = {name: piece for name, piece in pieces(lr, params, mb, key).items() if names is None or name in names}
+    compiled, times, out = {}, {name: [] for name in table}, {}
+    for name, (fn, args) in table.items():
+        compiled[name] = jax.jit(fn).lower(*args).compile()
+        jax.block_until_ready(compiled[name](*args))  # warm-up
+    for _ in range(repeats):  # alternating rounds: a change in the machine's load falls on every piece alike
+        for name, (fn, args) in table.items():
             start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            times.append(time.perf_counter() - start)
+            jax.block_until_ready(compiled[name](*args))
+            times[name].append(time.perf_counter() - start)
+    for name, (fn, args) in table.items():
         flops = cost(counted[name][0], *args)["flops"]  # --remat off: the algorithm's FLOPs, its scans unrolled
-        seconds = statistics.median(times)
+        seconds = statistics.median(times[name])
         out[name] = {"seconds": seconds, "flops": flops, "gflop_per_s": flops / seconds / 1e9}
         log(f"  {name:12s} {seconds * 1e3:9.1f} ms  {flops / 1e9:9.2f} GFLOP  {flops / seconds / 1e9:7.1f} GFLOP/s")
     return out
@@ -106,6 +109,7 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--preset", default="paper", choices=["cpu", "paper"])
     parser.add_argument("--runners", nargs="+", default=["trudi", "reppo"], choices=["trudi", "reppo"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pieces", nargs="+", default=None, help="only these pieces (default: all)")
     parser.add_argument("--json", default=None)
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -119,7 +123,7 @@ def main(argv: list[str]) -> dict:
         print(f"[profile] {runner}: {cfg.num_envs * cfg.rollout_steps // cfg.num_minibatches} samples per minibatch, "
               f"actor {cfg.actor_hidden}, critic {cfg.critic_hidden}, N {cfg.num_diffusion_steps}, "
               f"K {cfg.num_old_chains}, --kl-direction {cfg.kl_direction}", flush=True)
-        result[runner] = profile(cfg, args.repeats, log=lambda line: print(line, flush=True))
+        result[runner] = profile(cfg, args.repeats, args.pieces, log=lambda line: print(line, flush=True))
     if "trudi" in result and "reppo" in result:
         t, r = result["trudi"]["update"], result["reppo"]["update"]
         result["update_time_ratio"] = t["seconds"] / r["seconds"]
