@@ -27,9 +27,7 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +35,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo_jax as P  # noqa: E402
-from benchmarks.throughput import QUICK, cost, ppo_config  # noqa: E402
+from benchmarks.throughput import QUICK, alternating_medians, cost, ppo_config  # noqa: E402
 
 
 def rollout_batch(cfg: P.Config):
@@ -104,7 +102,7 @@ def floor_step(lr: P.Learner):
         params, opt_state = carry
         grads = jax.grad(loss)(params, obs)
         updates, opt_state = lr.optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss(params, obs)
+        return (optax.apply_updates(params, updates), opt_state), None
     return step
 
 
@@ -141,21 +139,13 @@ def pieces(cfg: P.Config, steps: int):
 
 def profile(cfg: P.Config, steps: int, repeats: int, log=print) -> dict:
     table, size = pieces(cfg, steps)
-    compiled, out = {}, {}
+    medians = alternating_medians({name: (fn, args) for name, (fn, args, *_) in table.items()}, repeats)
+    out = {}
     for name, (fn, args, one, one_args, n) in table.items():
-        compiled[name] = jax.jit(fn).lower(*args).compile()
-        jax.block_until_ready(compiled[name](*args))  # warm-up
         flops = cost(one, *one_args)["flops"]
         if name == "ppo_jax_epoch":
             flops /= cfg.num_minibatches  # one epoch counted: per minibatch step
-        out[name] = {"flops_per_minibatch_step": flops, "times": []}
-    for _ in range(repeats):  # alternating rounds
-        for name, (fn, args, one, one_args, n) in table.items():
-            start = time.perf_counter()
-            jax.block_until_ready(compiled[name](*args))
-            out[name]["times"].append((time.perf_counter() - start) / n)
-    for name, row in out.items():
-        row["ms_per_minibatch_step"] = statistics.median(row.pop("times")) * 1e3
+        row = out[name] = {"flops_per_minibatch_step": flops, "ms_per_minibatch_step": medians[name] / n * 1e3}
         row["us_per_env_step"] = row["ms_per_minibatch_step"] * 1e3 * cfg.num_epochs / size
         row["gflop_per_s"] = row["flops_per_minibatch_step"] / row["ms_per_minibatch_step"] / 1e6
         log(f"  {name:14s} {row['ms_per_minibatch_step']:7.3f} ms per minibatch step ({row['us_per_env_step']:5.1f} "

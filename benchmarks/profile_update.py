@@ -26,16 +26,14 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import trudi_jax as T  # noqa: E402
-from benchmarks.throughput import cost  # noqa: E402
+from benchmarks.throughput import alternating_medians, cost  # noqa: E402
 
 
 def minibatch_inputs(cfg: T.Config):
@@ -86,18 +84,10 @@ def profile(cfg: T.Config, repeats: int, names=None, log=print) -> dict:
     lr, params, mb, key = minibatch_inputs(cfg)
     counted = pieces(T.make_learner(dataclasses.replace(cfg, remat="off"), lr.env), params, mb, key)
     table = {name: piece for name, piece in pieces(lr, params, mb, key).items() if names is None or name in names}
-    compiled, times, out = {}, {name: [] for name in table}, {}
-    for name, (fn, args) in table.items():
-        compiled[name] = jax.jit(fn).lower(*args).compile()
-        jax.block_until_ready(compiled[name](*args))  # warm-up
-    for _ in range(repeats):  # alternating rounds: a change in the machine's load falls on every piece alike
-        for name, (fn, args) in table.items():
-            start = time.perf_counter()
-            jax.block_until_ready(compiled[name](*args))
-            times[name].append(time.perf_counter() - start)
+    medians, out = alternating_medians(table, repeats), {}
     for name, (fn, args) in table.items():
         flops = cost(counted[name][0], *args)["flops"]  # --remat off: the algorithm's FLOPs, its scans unrolled
-        seconds = statistics.median(times[name])
+        seconds = medians[name]
         out[name] = {"seconds": seconds, "flops": flops, "gflop_per_s": flops / seconds / 1e9}
         log(f"  {name:12s} {seconds * 1e3:9.1f} ms  {flops / 1e9:9.2f} GFLOP  {flops / seconds / 1e9:7.1f} GFLOP/s")
     return out

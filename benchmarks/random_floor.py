@@ -1,7 +1,8 @@
 """The return of a uniformly random policy (actions ~ U[-1, 1]^d each step) on a task: the floor a learning curve must
 rise above. `--policy zero` holds every action at 0 instead (a locomotion robot's default pose): the floor of a
-deterministic evaluation whose untrained actions are near 0, as TruDi's noise-free chain from x0 = 0 is. Uses the same environment layer and evaluation as training (trudi_jax.run_episodes: fresh episodes,
-summed reward until the first end, the time limit of --episode-length).
+deterministic evaluation whose untrained actions are near 0, as TruDi's noise-free chain from x0 = 0 is. Uses the
+same environment layer and evaluation as training (trudi_jax.run_episodes: fresh episodes, summed reward until the
+first end, the time limit of --episode-length).
 
     python benchmarks/random_floor.py --envs G1JoystickFlatTerrain HumanoidWalk humanoid --episodes 32 \
         --json benchmarks/results/cpu/random_floor.json

@@ -176,6 +176,21 @@ def cost(fn, *args, unroll: bool = True) -> dict:
     return {"flops": float(analysis.get("flops", 0.0)), "bytes": float(analysis.get("bytes accessed", 0.0))}
 
 
+def alternating_medians(calls: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, float]:
+    """Median seconds of each fn(*args) in `calls` ({name: (fn, args)}), compiled and warmed up first, then timed in
+    `repeats` alternating rounds, so that a change in the machine's load falls on every call alike."""
+    compiled = {name: jax.jit(fn).lower(*args).compile() for name, (fn, args) in calls.items()}
+    for name, (_, args) in calls.items():
+        jax.block_until_ready(compiled[name](*args))  # warm-up
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, (_, args) in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(compiled[name](*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def flop_count(module, cfg) -> dict:
     """FLOPs per environment step of one iteration of an algorithm file, from its pieces:
         T * (policy step + environment step) + reset-pool refresh + targets + epochs * minibatches * update.
