@@ -92,7 +92,8 @@ class Config:
     init_log_std: float = 0.0  # initial log-std of the Gaussian
     episode_length: int = 1000  # time limit (truncation, bootstrapped)
     num_evals: int = 10  # evaluations (and log lines) over the run
-    num_eval_envs: int = 128  # fresh episodes per evaluation (deterministic policy; 0: none, NaN)
+    num_eval_envs: int | None = None  # fresh episodes per evaluation (0: none, NaN; None: 128, fewer for a
+    # short run, so that evaluating takes at most the training's env steps: see eval_envs)
     out_dir: str | None = None  # outputs go here (None: a new runs/<algo>_<env>_<seed>_<date-time>)
     overwrite: bool = False  # replace a previous run's outputs in --out-dir (else such a directory is refused)
     plot: bool = True  # write <out_dir>/curve.png at the end
@@ -167,7 +168,8 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         ((cfg.num_envs * cfg.rollout_steps) % cfg.num_minibatches == 0,
          f"batch num_envs*rollout_steps = {cfg.num_envs * cfg.rollout_steps} is not divisible into "
          f"--num-minibatches {cfg.num_minibatches}"),
-        (cfg.num_evals > 0 and cfg.num_eval_envs >= 0, "--num-evals must be positive and --num-eval-envs non-negative (0: no evaluation)"),
+        (cfg.num_evals > 0 and eval_envs(cfg) >= 0,
+         "--num-evals must be positive and --num-eval-envs non-negative (0: no evaluation)"),
         (len(cfg.policy_hidden) > 0 and min(cfg.policy_hidden) > 0, f"--policy-hidden needs one or more positive widths, got {cfg.policy_hidden}"),
         (len(cfg.value_hidden) > 0 and min(cfg.value_hidden) > 0, f"--value-hidden needs one or more positive widths, got {cfg.value_hidden}"),
         (cfg.episode_length > 0, f"--episode-length must be positive, got {cfg.episode_length}"),
@@ -177,6 +179,14 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
+
+
+def eval_envs(cfg: Config) -> int:
+    """Episodes per evaluation: --num-eval-envs, or by default 128, fewer (at least 2) when the run is short, so
+    that the evaluations (num_evals x episodes x up to episode_length steps) take at most the training's env steps."""
+    if cfg.num_eval_envs is not None:
+        return cfg.num_eval_envs
+    return min(128, max(2, cfg.total_steps // max(1, cfg.num_evals * cfg.episode_length)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,9 +669,9 @@ def train_chunk(lr: Learner, ts: TrainState) -> tuple[TrainState, dict]:
     metrics["physics_resets"] = physics_resets
     metrics.update(first_nonfinite(nonfinite, first_iteration))
     key, k_eval = jax.random.split(ts.key)  # drawn either way: evaluating never changes the training
-    if cfg.num_eval_envs:
+    if eval_envs(cfg):
         act = eval_policy(cfg, lr.env, *policy_of(ts))
-        metrics["eval_return"], metrics["eval_return_std"] = run_episodes(lr.env, act, k_eval, cfg.num_eval_envs,
+        metrics["eval_return"], metrics["eval_return_std"] = run_episodes(lr.env, act, k_eval, eval_envs(cfg),
                                                                           cfg.episode_length)
     else:  # --num-eval-envs 0: no evaluation episodes (and none of their program)
         metrics["eval_return"] = metrics["eval_return_std"] = jnp.array(jnp.nan, jnp.float32)
@@ -1047,6 +1057,7 @@ def clear_outputs(out_dir: str) -> None:
 def train(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
     """Train cfg.num_seeds seeds (or continue --resume); returns one metrics row per (log point, seed)."""
     validate(cfg)
+    cfg = dataclasses.replace(cfg, num_eval_envs=eval_envs(cfg))  # saved as the number it ran
     name = run_name(cfg)
     if cfg.resume:  # read and check before anything else (no connection opened, nothing written)
         resume_path = checkpoint_file(cfg.resume)
@@ -1067,6 +1078,10 @@ def train(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
         f"points x {iters_per_chunk} iterations x {cfg.num_envs} envs x {cfg.rollout_steps} steps; asked for "
         f"{cfg.total_steps:,}), {cfg.num_seeds} seed{'s' * (cfg.num_seeds > 1)}, --preset {cfg.preset}; writing to "
         f"{cfg.out_dir}")
+    eval_steps = cfg.num_evals * cfg.num_eval_envs * cfg.episode_length
+    log(f"[{name} {cfg.env}] evaluating {cfg.num_eval_envs} episodes of up to {cfg.episode_length} steps at each log "
+        f"point: up to {eval_steps:,} env steps per seed ({eval_steps / (cfg.num_evals * steps_per_chunk):.2f}x the "
+        f"training's; --num-eval-envs sets it)" if cfg.num_eval_envs else f"[{name} {cfg.env}] no evaluation episodes")
     ckpt_path, last_good = os.path.join(cfg.out_dir, CHECKPOINT), None
     if cfg.video:  # headless rendering; must be chosen before MuJoCo is first imported
         os.environ.setdefault("MUJOCO_GL", "egl")

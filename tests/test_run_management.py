@@ -676,6 +676,33 @@ def test_budget_rounding_is_reported_in_the_first_line(algo, tmp_path):
 
 
 @ALGOS
+def test_evaluation_is_sized_to_the_run_and_announced(algo, tmp_path):
+    """A short run evaluates fewer episodes by default, so that evaluating takes at most its training's env steps
+    (10 evaluations of the long runs' episode count would be 30-60x a 20k-step smoke run), and says so before
+    loading the task; an explicit --num-eval-envs is kept."""
+    full = {trudi_jax: 64, ppo_jax: 128}[algo]
+    assert algo.eval_envs(algo.parse_config([])) == full  # the default budgets keep the long runs' count
+    assert algo.eval_envs(algo.parse_config(["--total-steps", "300000"])) == 30
+    assert algo.eval_envs(algo.parse_config(["--total-steps", "300000", "--num-eval-envs", "16"])) == 16
+    assert algo.eval_envs(algo.parse_config(["--total-steps", "1000", "--num-eval-envs", "0"])) == 0
+    lines = []
+
+    def stop_at_second_line(line):
+        lines.append(line)
+        if len(lines) == 2:
+            raise KeyboardInterrupt
+    cfg = algo.parse_config(["--total-steps", "20000", "--num-envs", "16", "--out-dir", str(tmp_path / "run")])
+    with pytest.raises(KeyboardInterrupt):
+        algo.train(cfg, log=stop_at_second_line)
+    assert algo.eval_envs(cfg) == 2
+    steps = lines[0].split("running ")[1].split(" env steps")[0]  # the training's steps after rounding
+    ratio = 10 * 2 * 1000 / int(steps.replace(",", ""))
+    assert f"evaluating 2 episodes of up to 1000 steps at each log point: up to 20,000 env steps per seed " \
+           f"({ratio:.2f}x the training's" in lines[1] and ratio <= 1
+    assert not (tmp_path / "run").exists()
+
+
+@ALGOS
 def test_every_log_line_is_flushed(algo, monkeypatch):
     """Progress reaches a log file at once (stdout to a file is block-buffered): each line is flushed."""
     events = []
