@@ -97,6 +97,8 @@ class Config:
     kl_direction: Literal["forward", "reverse"] = "forward"  # c(s): KL(old||new) over old chains; reverse: KL(new||old)
     kl_samples: int = 4  # Gaussian actor: c(s) by this many action samples, clipped, as REPPO's code (0: closed form)
     remat: Literal["auto", "on", "off"] = "auto"  # chain and KL gradients in cache-sized pieces (auto: on CPU)
+    gate_chunk: int | None = None  # > 0: the actor's gradient per state through its branch of the gate only, in
+    # chunks of this many states (gated_actor_grad; forward-KL TruDi); 0: the loss's plain gradient; None: see gate_chunk
     kl_start: float = 0.01  # initial beta (KL multiplier)
     beta_min: float | None = None  # floor of beta after each step (None: BETA_MIN[actor]; 0: none, as REPPO's code)
     kl_stop: float = 0.0  # the actor's steps of an iteration end once a minibatch's mean c > kl_stop * eps (0: never)
@@ -232,6 +234,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         (cfg.kl_stop >= 0, f"--kl-stop must be >= 0 (0: never stop), got {cfg.kl_stop}"),
         (cfg.beta_min is None or cfg.beta_min >= 0, f"--beta-min must be >= 0 (0: no floor), got {cfg.beta_min}"),
         (cfg.kl_samples >= 0, f"--kl-samples must be >= 0 (0: closed form), got {cfg.kl_samples}"),
+        (cfg.gate_chunk is None or cfg.gate_chunk >= 0, f"--gate-chunk must be >= 0 (0: plain gradient), got {cfg.gate_chunk}"),
         (cfg.actor != "gaussian" or cfg.kl_samples == 0 or cfg.kl_mode == "full",
          "--kl-mode mean is a closed form: with --actor gaussian it needs --kl-samples 0"),
         (cfg.vmax > cfg.vmin and cfg.num_bins > 1, "--vmax must exceed --vmin and --num-bins must exceed 1"),
@@ -669,7 +672,9 @@ def chain_kl(p_means, p_eta, q_means, q_eta, mode: str = "full") -> jax.Array:
 class Actor(NamedTuple):
     """The policy interface the losses use, for either actor."""
     init: Callable  # key -> params
-    sample: Callable  # (params, obs, key) -> (action, log_prob, trace), reparameterised
+    sample: Callable  # (params, obs, key) -> (action, log_prob, trace), reparameterised: sample_with(draw(key))
+    draw: Callable  # (key, batch shape) -> the sample's random inputs, every leaf batch axes first
+    sample_with: Callable  # (params, obs, drawn) -> (action, log_prob, trace)
     old_policy: Callable  # (old params, obs, key, rollout's trace) -> what c(s) needs of the old policy (per iteration)
     trust_region_kl: Callable  # (params, old params, old, obs, trace of the loss's sample, key) -> c(s)
     evaluate: Callable  # (params, obs, key) -> action for evaluation
@@ -694,18 +699,30 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=Non
     def control_fn(params, obs):
         return lambda x, n: net.apply(params["control"], x, obs, jnp.broadcast_to(embedding[n], x.shape[:-1] + (E,)))
 
-    def sample_chain(params, obs, key, ode_coef=1.0, noise_scale=1.0, prior_scale=1.0):
+    def draw(key, batch_shape):
+        """A chain's random inputs: x0 / s0 ~ N(0, I) [..., d] and the N steps' eps_n ~ N(0, I) [..., N, d]."""
         k0, k = jax.random.split(key)
-        x0 = prior_scale * cfg.prior_std * jax.random.normal(k0, obs.shape[:-1] + (action_size,))
-        noise = noise_scale * jax.random.normal(k, (N,) + x0.shape)
-        return run_chain(control_fn(params, obs), x0, noise, eta(params), cfg.prior_std, ode_coef, remat)
+        return (jax.random.normal(k0, batch_shape + (action_size,)),
+                jnp.moveaxis(jax.random.normal(k, (N,) + batch_shape + (action_size,)), 0, -2))
+
+    def chain_from(params, obs, drawn, ode_coef=1.0, noise_scale=1.0, prior_scale=1.0):
+        z0, eps = drawn
+        noise = noise_scale * jnp.moveaxis(eps, -2, 0)
+        return run_chain(control_fn(params, obs), prior_scale * cfg.prior_std * z0, noise, eta(params),
+                         cfg.prior_std, ode_coef, remat)
+
+    def sample_chain(params, obs, key, **scales):
+        return chain_from(params, obs, draw(key, obs.shape[:-1]), **scales)
 
     def trace_of(chain: Chain) -> ChainTrace:
         return ChainTrace(jnp.moveaxis(chain.xs, 0, -2), jnp.moveaxis(chain.means, 0, -2))
 
-    def sample(params, obs, key):
-        chain = sample_chain(params, obs, key)
+    def sample_with(params, obs, drawn):
+        chain = chain_from(params, obs, drawn)
         return jnp.tanh(chain.xs[-1]), chain_log_prob(chain, cfg.prior_std), trace_of(chain)
+
+    def sample(params, obs, key):
+        return sample_with(params, obs, draw(key, obs.shape[:-1]))
 
     def kernel_means_at(params, obs, xs):
         """mu_n(x_n) of params' kernels at given states x_n, [..., N, d] (obs [..., obs]), in one call of the net."""
@@ -749,11 +766,11 @@ def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=Non
     def evaluate(params, obs, key):
         if cfg.eval_mode == "stochastic":
             return jnp.tanh(sample_chain(params, obs, key).xs[-1])
-        chain = sample_chain(params, obs, key, cfg.ode_coef, noise_scale=0.0,
+        chain = sample_chain(params, obs, key, ode_coef=cfg.ode_coef, noise_scale=0.0,
                              prior_scale=1.0 if cfg.eval_prior_start else 0.0)
         return jnp.tanh(chain.xs[-1])
 
-    return Actor(init, sample, old_policy, trust_region_kl, evaluate)
+    return Actor(init, sample, draw, sample_with, old_policy, trust_region_kl, evaluate)
 
 
 def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int, reads=None) -> Actor:
@@ -763,12 +780,18 @@ def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int, reads=None
     def init(key):
         return net.init(key, jnp.zeros((1, obs_size)))
 
-    def sample(params, obs, key):
+    def draw(key, batch_shape):
+        return jax.random.normal(key, batch_shape + (action_size,))
+
+    def sample_with(params, obs, z):
         mean, log_std = net.apply(params, obs)
-        u = mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
+        u = mean + jnp.exp(log_std) * z
         action = jnp.tanh(u)
         log_prob = gaussian_log_pdf(u, mean, jnp.exp(2 * log_std)) - jnp.log(1 - action**2 + 1e-6)
         return action, log_prob.sum(-1), GaussianTrace(mean, log_std)
+
+    def sample(params, obs, key):
+        return sample_with(params, obs, draw(key, obs.shape[:-1]))
 
     def old_policy(old_params, obs, key, behaviour: GaussianTrace):
         """The old (mean, log std) at these states: the rollout computed them already."""
@@ -797,7 +820,7 @@ def make_gaussian_actor(cfg: Config, obs_size: int, action_size: int, reads=None
             return sample(params, obs, key)[0]
         return jnp.tanh(net.apply(params, obs)[0])
 
-    return Actor(init, sample, old_policy, trust_region_kl, evaluate)
+    return Actor(init, sample, draw, sample_with, old_policy, trust_region_kl, evaluate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -920,6 +943,77 @@ def actor_loss(actor_params, old_actor_params, critic_params, batch: Batch, key,
     metrics = {"actor_loss": objective, "kl": kl.mean(), "entropy": entropy, "alpha": alpha, "beta": beta,
                "gate_frac": jnp.mean(kl >= cfg.kl_bound)}
     return objective + dual, metrics
+
+
+GATE_CHUNK = 256  # states per chunk of gated_actor_grad on CPU (128-256 were fastest at the paper preset)
+
+
+def gate_chunk(cfg: Config) -> int:
+    """States per chunk of gated_actor_grad, 0 for the plain gradient of actor_loss. It serves the forward KL's
+    diffusion actor (whose c(s) does not depend on the loss's own sample). By default: on CPU, for minibatches of
+    at least 4 chunks (smaller ones ran slower in chunks than whole; accelerators not measured yet)."""
+    if cfg.actor != "diffusion" or cfg.kl_direction != "forward":
+        return 0
+    if cfg.gate_chunk is not None:
+        return cfg.gate_chunk
+    minibatch = cfg.num_envs * cfg.rollout_steps // cfg.num_minibatches
+    return GATE_CHUNK if jax.default_backend() == "cpu" and minibatch >= 4 * GATE_CHUNK else 0
+
+
+def gated_actor_grad(actor_params, old_actor_params, critic_params, batch: Batch, key, actor: Actor, critic: Critic,
+                     cfg: Config, action_size: int):
+    """jax.grad(actor_loss) (forward KL), taken per state through the branch of the gate it is on. Where c(s) < eps
+    only alpha log pi - Q has a gradient, elsewhere only beta c(s); the branch not taken is multiplied by zero, so it
+    is not computed. c, log pi and Q of every state come from one pass without gradient; then the states, sorted
+    open gates first, are cut into chunks of gate_chunk(cfg) states (padded with weight 0), and two loops add the
+    gradients of as many chunks as each branch needs: the chain and the critic over the open chunks, the K old
+    chains' kernels over the closed ones (a chunk holding both: both, each weighted). The same sum as the plain
+    gradient; with a fraction f of closed gates it runs about (1 - f) of the chain's and f of the KL's backward."""
+    params = actor_params["policy"]
+    drawn = actor.draw(key, batch.obs.shape[:-1])
+    critic_params = jax.lax.stop_gradient(critic_params)
+
+    def open_part(params, obs, drawn):  # alpha log pi - Q, the gate's open branch
+        action, log_prob, _ = actor.sample_with(params, obs, drawn)
+        return log_prob, expected_q(critic.apply(critic_params, obs, action)[0], cfg)
+
+    def kl_part(params, obs, old):  # c(s), the closed branch
+        return actor.trust_region_kl(params, old_actor_params, old, obs, None)
+
+    log_prob, q = open_part(params, batch.obs, drawn)
+    kl = kl_part(params, batch.obs, batch.old)
+    alpha, beta = jnp.exp(actor_params["log_alpha"]), jnp.exp(actor_params["log_beta"])
+    gate_open = kl < cfg.kl_bound
+    size, rows = kl.shape[0], min(gate_chunk(cfg), kl.shape[0])
+    chunks = -(-size // rows)
+    order = jnp.pad(jnp.argsort(~gate_open), (0, chunks * rows - size))  # padding: state 0 again, with weight 0
+    chunked = lambda x: x[order].reshape((chunks, rows) + x.shape[1:])
+    obs, old, drawn = jax.tree.map(chunked, (batch.obs, batch.old, drawn))
+    real = jnp.arange(chunks * rows).reshape(chunks, rows) < size
+    w_open = jnp.where(real & chunked(gate_open), 1.0 / size, 0.0)
+    w_closed = jnp.where(real & ~chunked(gate_open), beta / size, 0.0)
+    num_open = gate_open.sum()
+
+    def add_open(i, grads):
+        def loss(p):
+            log_prob, q = open_part(p, obs[i], jax.tree.map(lambda x: x[i], drawn))
+            return (w_open[i] * (alpha * log_prob - q)).sum()
+        return jax.tree.map(jnp.add, grads, jax.grad(loss)(params))
+
+    def add_closed(i, grads):
+        loss = lambda p: (w_closed[i] * kl_part(p, obs[i], jax.tree.map(lambda x: x[i], old))).sum()
+        return jax.tree.map(jnp.add, grads, jax.grad(loss)(params))
+
+    grads = jax.lax.fori_loop(0, -(-num_open // rows), add_open, jax.tree.map(jnp.zeros_like, params))
+    grads = jax.lax.fori_loop(jnp.where(num_open < size, num_open // rows, chunks), chunks, add_closed, grads)
+    entropy = -log_prob.mean()
+    objective = jnp.where(gate_open, alpha * log_prob - q, beta * kl).mean()
+    duals = jax.grad(lambda log_alpha, log_beta: jnp.exp(log_alpha) * (entropy + cfg.ent_target_mult * action_size)
+                     - jnp.exp(log_beta) * (kl.mean() - cfg.kl_bound), (0, 1))
+    d_alpha, d_beta = duals(actor_params["log_alpha"], actor_params["log_beta"])
+    metrics = {"actor_loss": objective, "kl": kl.mean(), "entropy": entropy, "alpha": alpha, "beta": beta,
+               "gate_frac": jnp.mean(~gate_open)}
+    return {"policy": grads, "log_alpha": d_alpha, "log_beta": d_beta}, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1051,7 +1145,8 @@ def update_minibatch(lr: Learner, params: Params, inputs) -> tuple[Params, dict]
     critic_grads, critic_metrics = jax.grad(critic_loss, has_aux=True)(params.critic, batch, lr.critic, lr.cfg)
     updates, critic_opt_state = lr.optimizer.update(critic_grads, params.critic_opt_state, params.critic)
     critic_params = optax.apply_updates(params.critic, updates)
-    actor_grads, actor_metrics = jax.grad(actor_loss, has_aux=True)(
+    actor_grad = gated_actor_grad if gate_chunk(lr.cfg) else jax.grad(actor_loss, has_aux=True)
+    actor_grads, actor_metrics = actor_grad(
         params.actor, params.old_policy, critic_params, batch, key, lr.actor, lr.critic, lr.cfg, lr.env.action_size)
     updates, actor_opt_state = lr.optimizer.update(actor_grads, params.actor_opt_state, params.actor)
     actor_params = optax.apply_updates(params.actor, updates)

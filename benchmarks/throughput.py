@@ -196,9 +196,10 @@ def flop_count(module, cfg) -> dict:
         T * (policy step + environment step) + reset-pool refresh + targets + epochs * minibatches * update.
     The policy step, the targets and the update are exact (their scans unrolled); the physics has solver loops
     (while loops) that the cost analysis counts once, so the environment's share is a lower bound. TruDi is counted
-    with --remat off: the algorithm's FLOPs, without the forward passes that rematerialisation repeats."""
+    with --remat off: the algorithm's FLOPs, without the forward passes that rematerialisation repeats, and with
+    --gate-chunk 0: the plain gradient's FLOPs (the gated gradient skips a share that depends on the gates)."""
     if module is trudi_jax:
-        cfg = dataclasses.replace(cfg, remat="off")
+        cfg = dataclasses.replace(cfg, remat="off", gate_chunk=0)
     env = module.make_env(cfg.env, cfg.backend)
     lr = module.make_learner(cfg, env)
     key = jax.random.PRNGKey(0)

@@ -346,6 +346,40 @@ def test_remat_changes_no_number(direction):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), results[0], results[1])
 
 
+SOME = 0.15  # about 70 % of the 20 gates closed
+
+
+def test_gated_actor_gradient_is_the_gradient_of_the_actor_loss():
+    """gated_actor_grad takes each state's gradient only through the branch of the gate it is on, over chunks of
+    the minibatch sorted by gate (here chunks of 7 of 20 states, the last one padded). Its gradients (policy and
+    both duals) and metrics equal jax.grad(actor_loss)'s up to float32 summation order, with no, some or all gates
+    closed (three seeds vmapped, so the chunk loops' lengths differ between them), and for one seed alone."""
+    jax.config.update("jax_disable_most_optimizations", False)  # unoptimised tanh/log differ by shape (restored after)
+    cfg = small_config(num_old_chains=2, gate_chunk=7)
+    actor, critic = T.make_diffusion_actor(cfg, OBS, ACT), T.Critic(cfg.critic_hidden, cfg.num_bins)
+    critic_params = critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
+    obs = jax.random.normal(jax.random.PRNGKey(3), (20, OBS))
+    old_policy = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1), 0.1)
+    old = actor.old_policy(old_policy, obs, jax.random.PRNGKey(6), actor.sample(old_policy, obs,
+                                                                                jax.random.PRNGKey(7))[2])
+    batch = T.Batch(obs, jnp.zeros((20, ACT)), jnp.zeros(20), jnp.zeros(20), obs, jnp.zeros((20, ACT)), jnp.ones(20),
+                    old)
+
+    def both(scale):  # the new policy this far from the old one
+        policy = jax.tree.map(lambda x, y: x + scale * y, old_policy, perturbed(old_policy, jax.random.PRNGKey(5), 1.0))
+        params = {"policy": policy, "log_alpha": jnp.log(0.1), "log_beta": jnp.log(0.3)}
+        args = (params, old_policy, critic_params, batch, jax.random.PRNGKey(4), actor, critic, cfg, ACT)
+        return jax.grad(T.actor_loss, has_aux=True)(*args), T.gated_actor_grad(*args)
+
+    fractions = []
+    for (plain, plain_metrics), (gated, gated_metrics) in [jax.jit(jax.vmap(both))(jnp.array([0.0, SOME, 3.0])),
+                                                           jax.jit(both)(SOME)]:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), gated, plain)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), gated_metrics, plain_metrics)
+        fractions += list(np.atleast_1d(plain_metrics["gate_frac"]))
+    assert fractions[0] == 0 and 0 < fractions[1] < 1 and fractions[2] == 1 and fractions[3] == fractions[1]
+
+
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 def test_trust_region_kl_is_old_to_new_for_both_actors(direction):
     """c(s) = KL(pi_old || pi_new) (forward: the expectation is under the OLD policy), or KL(pi_new || pi_old) with
@@ -542,7 +576,7 @@ def test_targets_on_a_hand_computed_three_step_rollout():
     cfg = T.Config(vmin=0.0, vmax=10.0, num_bins=11, gamma=0.9, td_lambda=0.5, normalize_obs=False,
                    num_action_samples=2)
     sample = lambda params, obs, key: (jnp.zeros(obs.shape[:-1] + (1,)), jnp.full(obs.shape[:-1], -2.0), ())
-    fresh = T.Actor(None, sample, lambda params, obs, key, trace: (), None, None)
+    fresh = T.Actor(None, sample, None, None, lambda params, obs, key, trace: (), None, None)
     # Q(s, a) = the atom indexed by s[0]: a categorical critic with all its mass on one atom
     one_atom = types.SimpleNamespace(apply=lambda params, obs, action: (
         jnp.where(jnp.arange(11) == obs[..., :1], 0.0, -1e4), None))
