@@ -291,13 +291,17 @@ def jitted_runner(module, cfg, bench: Bench) -> Runner:
             memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes))
     extra["config"] = {k: getattr(cfg, k) for k in ("num_envs", "rollout_steps", "num_minibatches", "num_epochs")}
 
+    gates = []  # TruDi: the fraction of closed gates per block (the warm-up first): the gated gradient's work
+
     def run_block() -> float:
         start = time.perf_counter()
         state["ts"], metrics = jax.block_until_ready(compiled(state["ts"]))
+        if "gate_frac" in metrics:
+            gates.append(float(np.mean(metrics["gate_frac"])))
         return time.perf_counter() - start
 
-    return Runner(compile_s, run_block(), run_block, lambda: {}, cfg.num_envs * cfg.rollout_steps * bench.iterations,
-                  extra)
+    return Runner(compile_s, run_block(), run_block, lambda: {"gate_frac_blocks": gates} if gates else {},
+                  cfg.num_envs * cfg.rollout_steps * bench.iterations, extra)
 
 
 # ---------------------------------------------------------------------------------------------
