@@ -52,10 +52,11 @@ if [ "$which" = humanoid ]; then
   exit 0
 fi
 [ "$which" = speed ] || { echo "error: unknown part $which (speed or humanoid)" >&2; exit 1; }
-part throughput_paper_HumanoidWalk_trudi_reppo 220 python3 benchmarks/throughput.py --preset paper \
-  --envs HumanoidWalk --runners trudi reppo --iterations 1 --repeats 2 --no-flops \
+# trudi_gated: the gated actor gradient (--gate-chunk 256), by default on CPU only: is it faster on a GPU too?
+part throughput_paper_HumanoidWalk_trudi_reppo 270 python3 benchmarks/throughput.py --preset paper \
+  --envs HumanoidWalk --runners trudi trudi_gated reppo --iterations 1 --repeats 2 --no-flops \
   --json "$dest/throughput_paper_HumanoidWalk_trudi_reppo.json"
-part throughput_paper_HumanoidWalk_ppo_brax 240 python3 benchmarks/throughput.py --preset paper \
+part throughput_paper_HumanoidWalk_ppo_brax 210 python3 benchmarks/throughput.py --preset paper \
   --envs HumanoidWalk --runners ppo_jax brax_ppo --iterations 1 --repeats 2 --no-flops \
   --json "$dest/throughput_paper_HumanoidWalk_ppo_brax.json"
 exit 0

@@ -107,7 +107,7 @@ def throughput_tables(folder: str) -> list[str]:
     for path in sorted(glob.glob(os.path.join(RESULTS, folder, "throughput*.json"))):
         with open(path) as f:
             rows = json.load(f)
-        names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "reppo", "ppo_jax_rollout", "brax_rollout")
+        names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "trudi_plain", "trudi_gated", "reppo", "ppo_jax_rollout", "brax_rollout")
                  if f"{n}_sps" in rows[0]]
         extra = rows[0]
         if extra.get("preset") in ("paper", "cpu"):
@@ -129,17 +129,22 @@ def throughput_tables(folder: str) -> list[str]:
             ratios.append(("rollout_ratio", "rollout alone: ppo_jax / Brax"))
         if "trudi_time_per_step_vs_reppo" in rows[0]:
             ratios.append(("trudi_time_per_step_vs_reppo", "TruDi time per step / REPPO's"))
+        for variant in ("plain", "gated"):
+            if f"trudi_{variant}_time_per_step_vs_reppo" in rows[0]:
+                ratios.append((f"trudi_{variant}_time_per_step_vs_reppo", f"TruDi, {variant} gradient, time per step / REPPO's"))
+        gates = [(f"{n}_gate_frac_blocks", n) for n in ("trudi", "trudi_gated") if f"{n}_gate_frac_blocks" in rows[0]]
         split = [(f"{n}_{part}_us_per_step", f"{label} {part} µs/step") for n, label in
                  (("ppo_jax", "ppo_jax"), ("brax_ppo", "Brax")) for part in ("rollout", "update")
                  if f"{n}_{part}_us_per_step" in rows[0]]
         ratios += split
-        header += [label for _, label in ratios]
+        header += [label for _, label in ratios] + [f"{n} closed gates, per block (the first: warm-up)" for _, n in gates]
         per_million = extra.get("preset") == "cpu"  # a task's cost in the CPU suite
         header += [f"{n} min per 1M steps" for n in names if per_million]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in rows:
             cells = ([row["env"]] + [f"{row[f'{n}_sps']:,.0f}" for n in names]
                      + [f"{row[f'{n}_compile_s']:.1f}" for n in names] + [f"{row[key]:.2f}" for key, _ in ratios]
+                     + [", ".join(f"{g:.2f}" for g in row[key]) for key, _ in gates]
                      + [f"{1e6 / row[f'{n}_sps'] / 60:.1f}" for n in names if per_million])
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
