@@ -7,8 +7,9 @@
 #        same with the Gaussian actor), timed alternately (2026-12-04: 82 s + 78 s compiling, 185 s for the step);
 #     2. ppo_jax against Brax's PPO at Playground's tuned DM Control settings (2048 envs x 480 steps, 32 minibatches,
 #        16 epochs: about 1M env steps per iteration).
-#   benchmarks/gpu_check.sh humanoid  short TruDi runs at the paper preset: G1JoystickFlatTerrain (privileged critic,
-#     randomised robots; 1.5M steps) and HumanoidWalk (1.5M steps): compile time, env steps/s, the first returns.
+#   benchmarks/gpu_check.sh humanoid  TruDi runs at the paper preset: G1JoystickFlatTerrain (privileged critic,
+#     randomised robots; as many 1M-step log points as 5 minutes allow) and HumanoidWalk (1.5M steps): compile
+#     time, env steps/s, the returns.
 # The speed runs time blocks of one iteration (--iterations 1; 31, one reset-pool renewal period, would not fit), so
 # every timed block renews the whole reset pool, which training does once per 31 iterations: on HumanoidWalk a reset
 # is one mjx.forward (no settling steps, unlike CheetahRun's 200), so that adds about one physics step per env to the
@@ -45,9 +46,11 @@ if [ "$which" = humanoid ]; then
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/humanoid_assets_g1.tar.xz || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  part trudi_paper_G1JoystickFlatTerrain_short 260 python3 trudi_jax.py --env G1JoystickFlatTerrain --preset paper \
-    --total-steps 1500000 --num-evals 3 --out-dir "$dest/trudi_paper_G1JoystickFlatTerrain_short" --overwrite
-  part trudi_paper_HumanoidWalk_short 200 python3 trudi_jax.py --env HumanoidWalk --preset paper \
+  # G1 runs until its time limit: REPPO's released G1 curves leave their start only after 10.5M steps, so a log
+  # point per 1M steps (metrics.csv is rewritten at each) shows how far the limit gets and whether the return moves.
+  part trudi_paper_G1JoystickFlatTerrain 300 python3 trudi_jax.py --env G1JoystickFlatTerrain --preset paper \
+    --total-steps 40000000 --num-evals 40 --out-dir "$dest/trudi_paper_G1JoystickFlatTerrain" --overwrite
+  part trudi_paper_HumanoidWalk_short 150 python3 trudi_jax.py --env HumanoidWalk --preset paper \
     --total-steps 1500000 --num-evals 3 --out-dir "$dest/trudi_paper_HumanoidWalk_short" --overwrite
   exit 0
 fi
