@@ -99,6 +99,8 @@ class Config:
     remat: Literal["auto", "on", "off"] = "auto"  # chain and KL gradients in cache-sized pieces (auto: on CPU)
     gate_chunk: int | None = None  # > 0: the actor's gradient per state through its branch of the gate only, in
     # chunks of this many states (gated_actor_grad; forward-KL TruDi); 0: the loss's plain gradient; None: see gate_chunk
+    gate_bf16: bool | None = None  # the gated gradient's gates from c(s) with bfloat16 matrix products (float32
+    # accumulation; its gradients stay float32); None: on CPU wherever the gated gradient runs (see gate_bf16)
     kl_start: float = 0.01  # initial beta (KL multiplier)
     beta_min: float | None = None  # floor of beta after each step (None: BETA_MIN[actor]; 0: none, as REPPO's code)
     kl_stop: float = 0.0  # the actor's steps of an iteration end once a minibatch's mean c > kl_stop * eps (0: never)
@@ -156,7 +158,7 @@ RUN_FIELDS = ("out_dir", "overwrite", "plot", "checkpoint_every", "keep_checkpoi
               "process_id", "tensorboard", "wandb", "wandb_project")
 
 # Fields added after checkpoints were first written, with the value that a checkpoint without them ran.
-ADDED_FIELDS = {"beta_min": 0.0, "kl_stop": 0.0, "anneal_lr": False}
+ADDED_FIELDS = {"beta_min": 0.0, "kl_stop": 0.0, "anneal_lr": False, "gate_chunk": 0, "gate_bf16": False}
 
 
 # Default floor of beta per actor (docs/algorithm.md 7): once converged the dual update shrinks beta geometrically and
@@ -235,6 +237,8 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         (cfg.beta_min is None or cfg.beta_min >= 0, f"--beta-min must be >= 0 (0: no floor), got {cfg.beta_min}"),
         (cfg.kl_samples >= 0, f"--kl-samples must be >= 0 (0: closed form), got {cfg.kl_samples}"),
         (cfg.gate_chunk is None or cfg.gate_chunk >= 0, f"--gate-chunk must be >= 0 (0: plain gradient), got {cfg.gate_chunk}"),
+        (not cfg.gate_bf16 or (cfg.actor == "diffusion" and cfg.kl_direction == "forward" and cfg.gate_chunk != 0),
+         "--gate-bf16 computes the gates of the gated actor gradient: forward-KL diffusion actor, --gate-chunk not 0"),
         (cfg.actor != "gaussian" or cfg.kl_samples == 0 or cfg.kl_mode == "full",
          "--kl-mode mean is a closed form: with --actor gaussian it needs --kl-samples 0"),
         (cfg.vmax > cfg.vmin and cfg.num_bins > 1, "--vmax must exceed --vmin and --num-bins must exceed 1"),
@@ -491,22 +495,31 @@ def read(obs, reads: tuple[int, int] | None):
     return obs if reads is None else obs[..., reads[0]:reads[1]]
 
 
+def bf16_products(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """A Dense layer's matrix product with bfloat16 inputs and float32 accumulation and result."""
+    return jax.lax.dot_general(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), dimension_numbers,
+                               preferred_element_type=jnp.float32)
+
+
 class LayerNormMLP(nn.Module):
     """Dense -> LayerNorm -> swish per hidden layer, then a linear output (zero-initialised if asked, its bias
-    starting at out_bias); out None: no output layer (the last hidden layer's activations)."""
+    starting at out_bias); out None: no output layer (the last hidden layer's activations). bf16: the products in
+    bfloat16 (bf16_products), the same parameters."""
     hidden: tuple[int, ...]
     out: int | None
     zero_init_out: bool = False
     out_bias: Callable = nn.initializers.zeros
+    bf16: bool = False
 
     @nn.compact
     def __call__(self, x):
+        dot = bf16_products if self.bf16 else None
         for width in self.hidden:
-            x = nn.swish(nn.LayerNorm()(nn.Dense(width)(x)))
+            x = nn.swish(nn.LayerNorm()(nn.Dense(width, dot_general=dot)(x)))
         if self.out is None:
             return x
         init = nn.initializers.zeros if self.zero_init_out else nn.initializers.lecun_normal()
-        return nn.Dense(self.out, kernel_init=init, bias_init=self.out_bias)(x)
+        return nn.Dense(self.out, kernel_init=init, bias_init=self.out_bias, dot_general=dot)(x)
 
 
 class ControlNet(nn.Module):
@@ -515,10 +528,11 @@ class ControlNet(nn.Module):
     action_size: int
     clip: float
     reads: tuple[int, int] | None = None  # its slice of the observation vector (None: all)
+    bf16: bool = False  # products in bfloat16 (the same parameters)
 
     @nn.compact
     def __call__(self, x, obs, step_embedding):
-        u = LayerNormMLP(self.hidden, self.action_size, zero_init_out=True)(
+        u = LayerNormMLP(self.hidden, self.action_size, zero_init_out=True, bf16=self.bf16)(
             jnp.concatenate([x, read(obs, self.reads), step_embedding], axis=-1))
         return self.clip * jnp.tanh(u / self.clip)
 
@@ -680,9 +694,10 @@ class Actor(NamedTuple):
     evaluate: Callable  # (params, obs, key) -> action for evaluation
 
 
-def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=None) -> Actor:
-    """TruDi's actor: the controlled Langevin chain of N steps with learned friction, a = tanh(x_N)."""
-    net = ControlNet(cfg.actor_hidden, action_size, cfg.control_clip, reads)
+def make_diffusion_actor(cfg: Config, obs_size: int, action_size: int, reads=None, bf16=False) -> Actor:
+    """TruDi's actor: the controlled Langevin chain of N steps with learned friction, a = tanh(x_N).
+    bf16: the control net's products in bfloat16 (for the gates' pass of gated_actor_grad; the same parameters)."""
+    net = ControlNet(cfg.actor_hidden, action_size, cfg.control_clip, reads, bf16)
     dt = time_steps(cfg.num_diffusion_steps, cfg.total_time, cfg.schedule)
     embedding = step_embedding(cfg.num_diffusion_steps)
     N, K, E = cfg.num_diffusion_steps, cfg.num_old_chains, embedding.shape[-1]
@@ -960,15 +975,26 @@ def gate_chunk(cfg: Config) -> int:
     return GATE_CHUNK if jax.default_backend() == "cpu" and minibatch >= 4 * GATE_CHUNK else 0
 
 
+def gate_bf16(cfg: Config) -> bool:
+    """Whether gated_actor_grad computes the c(s) that decides the gates with bfloat16 products (2.3x faster on a
+    CPU with AMX at the paper preset; |error| ~ 3e-4 at c ~ eps = 0.1, benchmarks/bf16_gate.py). By default: on CPU,
+    wherever the gated gradient runs (accelerators not measured yet)."""
+    if not gate_chunk(cfg):
+        return False
+    return cfg.gate_bf16 if cfg.gate_bf16 is not None else jax.default_backend() == "cpu"
+
+
 def gated_actor_grad(actor_params, old_actor_params, critic_params, batch: Batch, key, actor: Actor, critic: Critic,
-                     cfg: Config, action_size: int):
+                     cfg: Config, action_size: int, gate_actor: Actor | None = None):
     """jax.grad(actor_loss) (forward KL), taken per state through the branch of the gate it is on. Where c(s) < eps
     only alpha log pi - Q has a gradient, elsewhere only beta c(s); the branch not taken is multiplied by zero, so it
     is not computed. c, log pi and Q of every state come from one pass without gradient; then the states, sorted
     open gates first, are cut into chunks of gate_chunk(cfg) states (padded with weight 0), and two loops add the
     gradients of as many chunks as each branch needs: the chain and the critic over the open chunks, the K old
     chains' kernels over the closed ones (a chunk holding both: both, each weighted). The same sum as the plain
-    gradient; with a fraction f of closed gates it runs about (1 - f) of the chain's and f of the KL's backward."""
+    gradient; with a fraction f of closed gates it runs about (1 - f) of the chain's and f of the KL's backward.
+    gate_actor (default: actor) computes the c(s) of that first pass, which decides the gates and enters beta's
+    step and the metrics; the gradients are actor's."""
     params = actor_params["policy"]
     drawn = actor.draw(key, batch.obs.shape[:-1])
     critic_params = jax.lax.stop_gradient(critic_params)
@@ -981,7 +1007,7 @@ def gated_actor_grad(actor_params, old_actor_params, critic_params, batch: Batch
         return actor.trust_region_kl(params, old_actor_params, old, obs, None)
 
     log_prob, q = open_part(params, batch.obs, drawn)
-    kl = kl_part(params, batch.obs, batch.old)
+    kl = (gate_actor or actor).trust_region_kl(params, old_actor_params, batch.old, batch.obs, None)
     alpha, beta = jnp.exp(actor_params["log_alpha"]), jnp.exp(actor_params["log_beta"])
     gate_open = kl < cfg.kl_bound
     size, rows = kl.shape[0], min(gate_chunk(cfg), kl.shape[0])
@@ -1041,9 +1067,10 @@ def make_critic(cfg: Config, reads=None) -> Critic:
     return Critic(cfg.critic_hidden, cfg.num_bins, start, reads)
 
 
-def make_actor(cfg: Config, env: Env) -> Actor:
-    make = make_diffusion_actor if cfg.actor == "diffusion" else make_gaussian_actor
-    return make(cfg, env.obs_size, env.action_size, env.actor_reads)
+def make_actor(cfg: Config, env: Env, bf16=False) -> Actor:
+    if cfg.actor == "diffusion":
+        return make_diffusion_actor(cfg, env.obs_size, env.action_size, env.actor_reads, bf16)
+    return make_gaussian_actor(cfg, env.obs_size, env.action_size, env.actor_reads)
 
 
 def chunk_iterations(cfg: Config) -> int:
@@ -1071,6 +1098,7 @@ class Learner(NamedTuple):
     cfg: Config
     env: Env
     actor: Actor
+    gate_actor: Actor  # the actor whose c(s) decides the gates in gated_actor_grad: the same, or with bf16 products
     critic: Critic
     optimizer: optax.GradientTransformation
 
@@ -1085,7 +1113,8 @@ def learning_rate(cfg: Config) -> float | optax.Schedule:
 
 def make_learner(cfg: Config, env: Env) -> Learner:
     clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    return Learner(cfg, env, make_actor(cfg, env), make_critic(cfg, env.critic_reads),
+    return Learner(cfg, env, make_actor(cfg, env), make_actor(cfg, env, gate_bf16(cfg)),
+                   make_critic(cfg, env.critic_reads),
                    optax.chain(*clip, optax.adam(learning_rate(cfg))))
 
 
@@ -1146,8 +1175,10 @@ def update_minibatch(lr: Learner, params: Params, inputs) -> tuple[Params, dict]
     updates, critic_opt_state = lr.optimizer.update(critic_grads, params.critic_opt_state, params.critic)
     critic_params = optax.apply_updates(params.critic, updates)
     actor_grad = gated_actor_grad if gate_chunk(lr.cfg) else jax.grad(actor_loss, has_aux=True)
+    gate = {"gate_actor": lr.gate_actor} if gate_chunk(lr.cfg) else {}
     actor_grads, actor_metrics = actor_grad(
-        params.actor, params.old_policy, critic_params, batch, key, lr.actor, lr.critic, lr.cfg, lr.env.action_size)
+        params.actor, params.old_policy, critic_params, batch, key, lr.actor, lr.critic, lr.cfg, lr.env.action_size,
+        **gate)
     updates, actor_opt_state = lr.optimizer.update(actor_grads, params.actor_opt_state, params.actor)
     actor_params = optax.apply_updates(params.actor, updates)
     if beta_floor(lr.cfg) > 0:  # beta projected onto [beta_min, inf): a collapsed beta leaves the gate alone

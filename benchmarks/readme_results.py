@@ -107,8 +107,8 @@ def throughput_tables(folder: str) -> list[str]:
     for path in sorted(glob.glob(os.path.join(RESULTS, folder, "throughput*.json"))):
         with open(path) as f:
             rows = json.load(f)
-        names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "trudi_plain", "trudi_gated", "reppo", "ppo_jax_rollout", "brax_rollout")
-                 if f"{n}_sps" in rows[0]]
+        names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "trudi_plain", "trudi_gated", "trudi_gated_f32", "reppo",
+                             "ppo_jax_rollout", "brax_rollout") if f"{n}_sps" in rows[0]]
         extra = rows[0]
         if extra.get("preset") in ("paper", "cpu"):
             shape = f"each runner at its {extra['preset']} preset: " + "; ".join(
@@ -129,10 +129,12 @@ def throughput_tables(folder: str) -> list[str]:
             ratios.append(("rollout_ratio", "rollout alone: ppo_jax / Brax"))
         if "trudi_time_per_step_vs_reppo" in rows[0]:
             ratios.append(("trudi_time_per_step_vs_reppo", "TruDi time per step / REPPO's"))
-        for variant in ("plain", "gated"):
+        for variant, label in (("plain", "plain gradient"), ("gated", "gated gradient"),
+                               ("gated_f32", "gated gradient, float32 gates")):
             if f"trudi_{variant}_time_per_step_vs_reppo" in rows[0]:
-                ratios.append((f"trudi_{variant}_time_per_step_vs_reppo", f"TruDi, {variant} gradient, time per step / REPPO's"))
-        gates = [(f"{n}_gate_frac_blocks", n) for n in ("trudi", "trudi_gated") if f"{n}_gate_frac_blocks" in rows[0]]
+                ratios.append((f"trudi_{variant}_time_per_step_vs_reppo", f"TruDi, {label}, time per step / REPPO's"))
+        gates = [(f"{n}_gate_frac_blocks", n) for n in ("trudi", "trudi_gated", "trudi_gated_f32")
+                 if f"{n}_gate_frac_blocks" in rows[0]]
         split = [(f"{n}_{part}_us_per_step", f"{label} {part} µs/step") for n, label in
                  (("ppo_jax", "ppo_jax"), ("brax_ppo", "Brax")) for part in ("rollout", "update")
                  if f"{n}_{part}_us_per_step" in rows[0]]

@@ -85,8 +85,8 @@ class Bench:
     quick: bool = False  # small preset: both default tasks in ~15 minutes on 2 CPU cores
     json: str | None = None  # also write the results to this file
     runners: tuple[str, ...] = ("ppo_jax", "brax_ppo")  # which of: ppo_jax brax_ppo trudi reppo ppo_jax_rollout
-    # brax_rollout (the rollout alone, so update = whole - rollout) trudi_plain trudi_gated (TruDi with --gate-chunk 0,
-    # 256)
+    # brax_rollout (the rollout alone, so update = whole - rollout) trudi_plain trudi_gated trudi_gated_f32 (TruDi with
+    # --gate-chunk 0, 256, 256 --no-gate-bf16)
     num_diffusion_steps: int = trudi_jax.Config.num_diffusion_steps  # TruDi's N
     num_old_chains: int | None = None  # TruDi's K (None: the preset's; the cpu preset's with the bench shape)
     kl_direction: Literal["forward", "reverse"] = "forward"  # TruDi's trust-region KL (trudi_jax --kl-direction)
@@ -277,9 +277,16 @@ def trudi_plain_runner(bench: Bench, env_name: str) -> Runner:
 
 
 def trudi_gated_runner(bench: Bench, env_name: str) -> Runner:
-    """TruDi with the gated actor gradient whatever the machine (--gate-chunk 256; by default only on CPU)."""
+    """TruDi with the gated actor gradient whatever the machine (--gate-chunk 256; by default only on CPU), its
+    gates from bfloat16 products where that is the default (CPU)."""
     return jitted_runner(trudi_jax, dataclasses.replace(trudi_config(bench, env_name, "diffusion"),
                                                         gate_chunk=trudi_jax.GATE_CHUNK), bench)
+
+
+def trudi_gated_f32_runner(bench: Bench, env_name: str) -> Runner:
+    """TruDi with the gated actor gradient and its gates from float32 products (--gate-chunk 256 --no-gate-bf16)."""
+    return jitted_runner(trudi_jax, dataclasses.replace(trudi_config(bench, env_name, "diffusion"),
+                                                        gate_chunk=trudi_jax.GATE_CHUNK, gate_bf16=False), bench)
 
 
 def jitted_runner(module, cfg, bench: Bench) -> Runner:
@@ -478,6 +485,7 @@ RUNNERS: dict[str, Callable[[Bench, str], Runner]] = {"ppo_jax": ppo_jax_runner,
                                                       "trudi": trudi_runner, "reppo": reppo_runner,
                                                       "trudi_plain": trudi_plain_runner,
                                                       "trudi_gated": trudi_gated_runner,
+                                                      "trudi_gated_f32": trudi_gated_f32_runner,
                                                       "ppo_jax_rollout": ppo_jax_rollout_runner,
                                                       "brax_rollout": brax_rollout_runner}
 BASELINE = "brax_ppo"  # the ratio column is <runner>_sps / BASELINE_sps
@@ -507,7 +515,7 @@ def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print) -> 
         row[f"{name}_sps_rounds"] = [runner.steps_per_block / s for s in seconds[name]]
         row.update({f"{name}_{key}": value for key, value in runner.extra.items()})
         row.update({f"{name}_{key}": value for key, value in runner.close().items()})
-    for variant in ("trudi_plain", "trudi_gated"):
+    for variant in ("trudi_plain", "trudi_gated", "trudi_gated_f32"):
         if variant in runners and "reppo" in runners:
             row[f"{variant}_time_per_step_vs_reppo"] = row["reppo_sps"] / row[f"{variant}_sps"]
     if "trudi" in runners and "reppo" in runners:
@@ -531,7 +539,7 @@ def markdown_table(rows: list[dict]) -> str:
     ratios = {key: f"{key} (vs {BASELINE})" for key in rows[0] if key == "ratio" or key.startswith("ratio_")}
     if "trudi_sps" in rows[0] and "reppo_sps" in rows[0]:
         ratios["trudi_time_per_step_vs_reppo"] = "TruDi time per step / REPPO's"
-    for variant, label in (("trudi_plain", "plain"), ("trudi_gated", "gated")):
+    for variant, label in (("trudi_plain", "plain"), ("trudi_gated", "gated"), ("trudi_gated_f32", "gated, float32 gates")):
         if f"{variant}_time_per_step_vs_reppo" in rows[0]:
             ratios[f"{variant}_time_per_step_vs_reppo"] = f"TruDi ({label} gradient) time per step / REPPO's"
     if "rollout_ratio" in rows[0]:

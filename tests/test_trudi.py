@@ -380,6 +380,39 @@ def test_gated_actor_gradient_is_the_gradient_of_the_actor_loss():
     assert fractions[0] == 0 and 0 < fractions[1] < 1 and fractions[2] == 1 and fractions[3] == fractions[1]
 
 
+def test_gates_from_bfloat16_products_are_close_and_leave_the_gradient_unchanged():
+    """--gate-bf16: the c(s) that decides the gates, with the control net's products in bfloat16, is within 2e-3 + 2 %
+    of float32's (and not equal to it: the bfloat16 net is used); with the same gates (none or all closed) the gated
+    gradient of the policy and alpha's are float32's, beta's moves only by its c(s).mean()."""
+    jax.config.update("jax_disable_most_optimizations", False)
+    cfg = small_config(num_old_chains=2, gate_chunk=7)
+    actor, actor16 = T.make_diffusion_actor(cfg, OBS, ACT), T.make_diffusion_actor(cfg, OBS, ACT, bf16=True)
+    critic = T.Critic(cfg.critic_hidden, cfg.num_bins)
+    critic_params = critic.init(jax.random.PRNGKey(2), jnp.zeros((1, OBS)), jnp.zeros((1, ACT)), method="all_heads")
+    obs = jax.random.normal(jax.random.PRNGKey(3), (20, OBS))
+    old_policy = perturbed(actor.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(1), 0.1)
+    old = actor.old_policy(old_policy, obs, jax.random.PRNGKey(6), actor.sample(old_policy, obs,
+                                                                                jax.random.PRNGKey(7))[2])
+    batch = T.Batch(obs, jnp.zeros((20, ACT)), jnp.zeros(20), jnp.zeros(20), obs, jnp.zeros((20, ACT)), jnp.ones(20),
+                    old)
+
+    def both(scale):
+        policy = jax.tree.map(lambda x, y: x + scale * y, old_policy, perturbed(old_policy, jax.random.PRNGKey(5), 1.0))
+        params = {"policy": policy, "log_alpha": jnp.log(0.1), "log_beta": jnp.log(0.3)}
+        args = (params, old_policy, critic_params, batch, jax.random.PRNGKey(4), actor, critic, cfg, ACT)
+        c32, c16 = (a.trust_region_kl(policy, old_policy, old, obs, None) for a in (actor, actor16))
+        return c32, c16, T.gated_actor_grad(*args), T.gated_actor_grad(*args, gate_actor=actor16)
+
+    c32, c16, (g32, m32), (g16, m16) = jax.jit(jax.vmap(both))(jnp.array([0.0, 3.0]))
+    assert np.all(np.abs(c16 - c32) < 2e-3 + 0.02 * c32) and np.any(c16 != c32)
+    np.testing.assert_array_equal(m16["gate_frac"], m32["gate_frac"])
+    np.testing.assert_array_equal(m32["gate_frac"], [0.0, 1.0])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), g16["policy"], g32["policy"])
+    np.testing.assert_allclose(g16["log_alpha"], g32["log_alpha"], rtol=1e-6)
+    np.testing.assert_allclose(g16["log_beta"], g32["log_beta"], rtol=0.02, atol=0.3 * 2e-3)
+    np.testing.assert_allclose(m16["kl"], c16.mean(-1), rtol=1e-5, atol=1e-7)  # the gates' c is bfloat16's
+
+
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 def test_trust_region_kl_is_old_to_new_for_both_actors(direction):
     """c(s) = KL(pi_old || pi_new) (forward: the expectation is under the OLD policy), or KL(pi_new || pi_old) with
