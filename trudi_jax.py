@@ -32,6 +32,9 @@ Choices this file makes where the specification leaves them open:
   of them also serves as the next action a' wherever the rollout has none (truncation, last step).
 * The auxiliary self-predictive loss (next embedding and reward) is masked where the episode ended
   and at the last rollout step (no next action there).
+* On CPU at paper-size minibatches the actor's gradient is taken per state through the one branch of the gate
+  the state is on (`--gate-chunk`, the same gradient), and the gates come from c(s) computed with bfloat16
+  matrix products (`--gate-bf16`; the gradients stay float32).
 """
 from __future__ import annotations
 

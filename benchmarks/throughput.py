@@ -539,9 +539,10 @@ def markdown_table(rows: list[dict]) -> str:
     ratios = {key: f"{key} (vs {BASELINE})" for key in rows[0] if key == "ratio" or key.startswith("ratio_")}
     if "trudi_sps" in rows[0] and "reppo_sps" in rows[0]:
         ratios["trudi_time_per_step_vs_reppo"] = "TruDi time per step / REPPO's"
-    for variant, label in (("trudi_plain", "plain"), ("trudi_gated", "gated"), ("trudi_gated_f32", "gated, float32 gates")):
+    for variant, label in (("trudi_plain", "plain gradient"), ("trudi_gated", "gated gradient"),
+                           ("trudi_gated_f32", "gated gradient, float32 gates")):
         if f"{variant}_time_per_step_vs_reppo" in rows[0]:
-            ratios[f"{variant}_time_per_step_vs_reppo"] = f"TruDi ({label} gradient) time per step / REPPO's"
+            ratios[f"{variant}_time_per_step_vs_reppo"] = f"TruDi ({label}) time per step / REPPO's"
     if "rollout_ratio" in rows[0]:
         ratios["rollout_ratio"] = "rollout alone: ppo_jax_rollout / brax_rollout"
     if "trudi_flops_per_step_vs_reppo" in rows[0]:
