@@ -100,10 +100,11 @@ class Config:
     kl_direction: Literal["forward", "reverse"] = "forward"  # c(s): KL(old||new) over old chains; reverse: KL(new||old)
     kl_samples: int = 4  # Gaussian actor: c(s) by this many action samples, clipped, as REPPO's code (0: closed form)
     remat: Literal["auto", "on", "off"] = "auto"  # chain and KL gradients in cache-sized pieces (auto: on CPU)
-    gate_chunk: int | None = None  # > 0: the actor's gradient per state through its branch of the gate only, in
-    # chunks of this many states (gated_actor_grad; forward-KL TruDi); 0: the loss's plain gradient; None: see gate_chunk
-    gate_bf16: bool | None = None  # the gated gradient's gates from c(s) with bfloat16 matrix products (float32
-    # accumulation; its gradients stay float32); None: on CPU wherever the gated gradient runs (see gate_bf16)
+    gate_chunk: int | None = None  # states per chunk of the gated actor gradient (0: plain; None: 256 on CPU at paper)
+    # > 0: the actor's gradient per state through its branch of the gate only, in chunks of this many states
+    # (gated_actor_grad; forward-KL TruDi); 0: the loss's plain gradient; None: see gate_chunk()
+    gate_bf16: bool | None = None  # gates of the gated gradient from c(s) with bfloat16 products (None: on CPU)
+    # (float32 accumulation; the gradients stay float32); None: on CPU wherever the gated gradient runs (gate_bf16)
     kl_start: float = 0.01  # initial beta (KL multiplier)
     beta_min: float | None = None  # floor of beta after each step (None: BETA_MIN[actor]; 0: none, as REPPO's code)
     kl_stop: float = 0.0  # the actor's steps of an iteration end once a minibatch's mean c > kl_stop * eps (0: never)

@@ -86,7 +86,7 @@ class Bench:
     json: str | None = None  # also write the results to this file
     runners: tuple[str, ...] = ("ppo_jax", "brax_ppo")  # which of: ppo_jax brax_ppo trudi reppo ppo_jax_rollout
     # brax_rollout (the rollout alone, so update = whole - rollout) trudi_plain trudi_gated trudi_gated_f32 (TruDi with
-    # --gate-chunk 0, 256, 256 --no-gate-bf16)
+    # --gate-chunk 0, 256, 256 --gate-bf16 False)
     num_diffusion_steps: int = trudi_jax.Config.num_diffusion_steps  # TruDi's N
     num_old_chains: int | None = None  # TruDi's K (None: the preset's; the cpu preset's with the bench shape)
     kl_direction: Literal["forward", "reverse"] = "forward"  # TruDi's trust-region KL (trudi_jax --kl-direction)
@@ -284,7 +284,7 @@ def trudi_gated_runner(bench: Bench, env_name: str) -> Runner:
 
 
 def trudi_gated_f32_runner(bench: Bench, env_name: str) -> Runner:
-    """TruDi with the gated actor gradient and its gates from float32 products (--gate-chunk 256 --no-gate-bf16)."""
+    """TruDi with the gated actor gradient and its gates from float32 products (--gate-chunk 256 --gate-bf16 False)."""
     return jitted_runner(trudi_jax, dataclasses.replace(trudi_config(bench, env_name, "diffusion"),
                                                         gate_chunk=trudi_jax.GATE_CHUNK, gate_bf16=False), bench)
 
