@@ -380,6 +380,25 @@ def test_gated_actor_gradient_is_the_gradient_of_the_actor_loss():
     assert fractions[0] == 0 and 0 < fractions[1] < 1 and fractions[2] == 1 and fractions[3] == fractions[1]
 
 
+TRUDI_BAD_FLAGS = [
+    (["--gate-chunk", "-1"], "--gate-chunk must be >= 0"),
+    (["--actor", "gaussian", "--gate-bf16", "True"], "--gate-bf16 computes the gates of the gated actor gradient"),
+    (["--kl-direction", "reverse", "--gate-bf16", "True"], "--gate-bf16 computes the gates"),
+    (["--gate-chunk", "0", "--gate-bf16", "True"], "--gate-bf16 computes the gates"),
+    (["--kl-stop", "-1"], "--kl-stop must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("flags,message", TRUDI_BAD_FLAGS, ids=["-".join(f[0]) for f in TRUDI_BAD_FLAGS])
+def test_trudi_flags_refuse_what_cannot_run(flags, message, tmp_path):
+    """TruDi's own flags: an impossible or ineffective combination is one line and a non-zero exit before anything
+    is written (--gate-bf16 True decides the gates of the gated gradient, so it needs that gradient)."""
+    with pytest.raises(SystemExit) as error:
+        T.train(T.parse_config(flags + ["--out-dir", str(tmp_path / "out")]), log=lambda line: None)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_gates_from_bfloat16_products_are_close_and_leave_the_gradient_unchanged():
     """--gate-bf16: the c(s) that decides the gates, with the control net's products in bfloat16, is within 2e-3 + 2 %
     of float32's (and not equal to it: the bfloat16 net is used); with the same gates (none or all closed) the gated
