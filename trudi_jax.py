@@ -1522,7 +1522,9 @@ def config_from_dict(saved: dict, source: str = "config") -> Config:
 
 
 def check_same_run(path: str, saved: dict, cfg: Config) -> None:
-    """Refuse to resume a checkpoint whose task or algorithm settings differ from the configuration's."""
+    """Refuse to resume a checkpoint whose task or algorithm settings differ from the configuration's (a field
+    added after the checkpoint was written counts as the value the older code ran, ADDED_FIELDS)."""
+    saved = ADDED_FIELDS | saved
     diff = [f"{k} {saved.get(k)!r} != {v!r}" for k, v in config_dict(cfg).items()
             if k not in RUN_FIELDS and saved.get(k) != v]
     if diff:

@@ -299,14 +299,18 @@ def test_loading_a_checkpoint_never_unpickles(algo, full_run, tmp_path):
 
 @ALGOS
 def test_a_checkpoint_from_before_a_field_existed_keeps_what_it_ran(algo):
-    """A saved config without a field added later (ADDED_FIELDS: --beta-min, --kl-stop, --anneal-lr) reads as the
-    value the older code ran (no floor, no stop, a constant rate), not as today's default; any other missing field
-    is still refused."""
+    """A saved config without a field added later (ADDED_FIELDS: --beta-min, --kl-stop, --anneal-lr, --gate-chunk,
+    --gate-bf16) reads as the value the older code ran (no floor, no stop, a constant rate, the plain gradient), not
+    as today's default, and --resume accepts it as such; any other missing field is still refused."""
     saved = algo.config_dict(algo.Config())
     assert algo.ADDED_FIELDS or algo is ppo_jax
     for name, value in algo.ADDED_FIELDS.items():
         older = {k: v for k, v in saved.items() if k != name}
         assert algo.config_from_dict(older) == dataclasses.replace(algo.Config(), **{name: value})
+        algo.check_same_run("older.msgpack", older, algo.config_from_dict(older))  # --resume accepts it
+        if saved[name] != value:  # but not with today's default where that differs
+            with pytest.raises(SystemExit, match=f"different task/config: {name}"):
+                algo.check_same_run("older.msgpack", older, algo.config_from_dict(older | {name: saved[name]}))
     with pytest.raises(SystemExit, match="missing fields num_envs"):
         algo.config_from_dict({k: v for k, v in saved.items() if k != "num_envs"})
 
