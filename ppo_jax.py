@@ -11,9 +11,8 @@ Choices worth knowing (the same as in trudi_jax.py):
 * Episodes end by termination (no bootstrap) or by the time limit `episode_length` (bootstrapped
   from the value of the true final observation, never the auto-reset one).
 * Auto-reset draws fresh initial states from a pool of `num_envs` reset states kept in the train
-  state; an environment that finishes takes its slot of the pool. A block of the pool is re-sampled
-  every iteration so that the whole pool is renewed once per `episode_length` steps (resets can be
-  costly: CheetahRun's runs 200 physics steps to settle).
+  state; an environment that finishes takes its slot of the pool. The pool is renewed whole once
+  per `episode_length` steps (resets can be costly: CheetahRun's runs 200 physics steps to settle).
 * Each environment's episode clock starts at a random point of the time limit (its first episode is
   cut short and not reported), so episodes end staggered and every batch mixes all phases of an
   episode; with synchronised clocks a 32-step batch holds one phase only, and the start of an

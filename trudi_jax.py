@@ -13,9 +13,9 @@ program; the host receives metrics once per chunk of iterations. `--num-seeds K`
 
 Choices this file makes where the specification leaves them open:
 * Time limits are bootstrapped from the true final observation; terminations are not. Auto-reset
-  draws fresh initial states from a pool of `num_envs` reset states kept in the train state, a block
-  of which is re-sampled every iteration so that the whole pool is renewed once per `episode_length`
-  steps (resets can be costly: CheetahRun's runs 200 physics steps to settle).
+  draws fresh initial states from a pool of `num_envs` reset states kept in the train state, renewed
+  whole once per `episode_length` steps (resets can be costly: CheetahRun's runs 200 physics steps to
+  settle).
 * Each environment's episode clock starts at a random point of the time limit (its first episode is
   cut short and not reported), so episodes end staggered and every batch mixes all phases of an
   episode; with synchronised clocks a 32-step batch holds one phase only, and the start of an
