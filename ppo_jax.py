@@ -670,10 +670,10 @@ def train_chunk(lr: Learner, ts: TrainState) -> tuple[TrainState, dict]:
     key, k_eval = jax.random.split(ts.key)  # drawn either way: evaluating never changes the training
     if eval_envs(cfg):
         act = eval_policy(cfg, lr.env, *policy_of(ts))
-        metrics["eval_return"], metrics["eval_return_std"] = run_episodes(lr.env, act, k_eval, eval_envs(cfg),
-                                                                          cfg.episode_length)
+        metrics["eval_return"], metrics["eval_return_std"], metrics["eval_length"] = run_episodes(
+            lr.env, act, k_eval, eval_envs(cfg), cfg.episode_length)
     else:  # --num-eval-envs 0: no evaluation episodes (and none of their program)
-        metrics["eval_return"] = metrics["eval_return_std"] = jnp.array(jnp.nan, jnp.float32)
+        metrics["eval_return"] = metrics["eval_return_std"] = metrics["eval_length"] = jnp.array(jnp.nan, jnp.float32)
     return ts._replace(key=key), metrics
 
 
@@ -694,20 +694,24 @@ def eval_policy(cfg: Config, env: Env, params, norm: Normalizer) -> Callable:
 # Evaluation: fresh episodes, no auto-reset, return summed until the first end.
 # ---------------------------------------------------------------------------------------------
 def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_length: int):
-    """Mean and std of the returns of fresh episodes (a physics blow-up ends an episode, its reward dropped)."""
+    """Mean and std of the returns of fresh episodes, and their mean length: the steps taken up to the first end,
+    that step included (a physics blow-up ends an episode, its reward dropped). On locomotion tasks the length
+    moves first: a robot learns not to fall before it is paid for walking."""
     k_reset, k_act = jax.random.split(key)
     sim = jax.vmap(env.reset)(jax.random.split(k_reset, num_episodes))
 
     def step(carry, k):
-        sim, alive, ret = carry
+        sim, alive, ret, length = carry
+        length = length + alive
         sim = jax.vmap(env.step)(sim, actor(observation(sim), k))
         alive = alive * jnp.isfinite(observation(sim)).all(-1) * jnp.isfinite(sim.reward)
         ret = ret + jnp.where(alive > 0, sim.reward, 0.0)
-        return (sim, alive * (1.0 - (sim.done > 0)), ret), None
+        return (sim, alive * (1.0 - (sim.done > 0)), ret, length), None
 
-    (_, _, ret), _ = jax.lax.scan(step, (sim, jnp.ones(num_episodes), jnp.zeros(num_episodes)),
-                                  jax.random.split(k_act, episode_length))
-    return ret.mean(), ret.std()
+    zeros = jnp.zeros(num_episodes)
+    (_, _, ret, length), _ = jax.lax.scan(step, (sim, jnp.ones(num_episodes), zeros, zeros),
+                                          jax.random.split(k_act, episode_length))
+    return ret.mean(), ret.std(), length.mean()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1182,7 +1186,8 @@ def stop_if_nonfinite(metrics: dict, last_checkpoint: str | None) -> None:
 
 
 def evaluate_checkpoint(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
-    """--eval-only: mean and std of the evaluation return over --eval-episodes fresh episodes, per saved seed."""
+    """--eval-only: mean and std of the evaluation return over --eval-episodes fresh episodes, and their mean
+    length, per saved seed."""
     validate(cfg)
     path = checkpoint_file(cfg.checkpoint)
     meta, payload = read_checkpoint(path)
@@ -1204,10 +1209,11 @@ def evaluate_checkpoint(cfg: Config, log: Callable[[str], None] = log_line) -> l
     results = []
     for s in range(cfg.num_seeds):
         params, norm = jax.tree.map(lambda x: x[s], policy_of(ts))
-        mean, std = map(float, evaluate(params, norm, jax.random.PRNGKey(cfg.seed)))
-        results.append({"seed": s, "env_steps": meta["env_steps"], "eval_return": mean, "eval_return_std": std})
+        mean, std, length = map(float, evaluate(params, norm, jax.random.PRNGKey(cfg.seed)))
+        results.append({"seed": s, "env_steps": meta["env_steps"], "eval_return": mean, "eval_return_std": std,
+                        "eval_length": length})
         log(f"[{path} seed index {s}, {meta['env_steps']:,} env steps] eval return {mean:.1f} ± "
-            f"{std:.1f} over {cfg.eval_episodes} episodes")
+            f"{std:.1f} over {cfg.eval_episodes} episodes of {length:.0f} steps on average")
         if cfg.video and s == 0:
             states = record_episode(env, eval_policy(cfg, env, params, norm), jax.random.PRNGKey(cfg.seed),
                                     cfg.episode_length)
@@ -1217,10 +1223,11 @@ def evaluate_checkpoint(cfg: Config, log: Callable[[str], None] = log_line) -> l
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
-    """Write atomically: a crash mid-write leaves the previous file."""
+    """Write atomically: a crash mid-write leaves the previous file. The columns are every row's keys in order of
+    first appearance (a run resumed by newer code may log a metric its earlier rows lack: left empty there)."""
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)

@@ -48,12 +48,13 @@ def main(args: Args) -> list[dict]:
         else:
             act = lambda obs, key: jnp.zeros((obs.shape[0], env.action_size))
         run = jax.jit(lambda key: trudi_jax.run_episodes(env, act, key, args.episodes, args.episode_length))
-        mean, std = jax.device_get(run(jax.random.PRNGKey(args.seed)))
+        mean, std, length = jax.device_get(run(jax.random.PRNGKey(args.seed)))
         prefix = "random" if args.policy == "uniform" else "zero_action"
         row = {"env": name, "policy": args.policy, f"{prefix}_return_mean": float(mean),
-               f"{prefix}_return_std": float(std), "episodes": args.episodes, "episode_length": args.episode_length,
-               "seconds": round(time.perf_counter() - start, 1)}
-        print(f"[{args.policy} floor] {name}: {mean:.2f} ± {std:.2f} over {args.episodes} episodes ({row['seconds']} s)", flush=True)
+               f"{prefix}_return_std": float(std), f"{prefix}_length_mean": float(length), "episodes": args.episodes,
+               "episode_length": args.episode_length, "seconds": round(time.perf_counter() - start, 1)}
+        print(f"[{args.policy} floor] {name}: {mean:.2f} ± {std:.2f} over {args.episodes} episodes of {length:.0f} steps "
+              f"on average ({row['seconds']} s)", flush=True)
         rows.append(row)
     if args.json:
         meta = {"command": "python " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),

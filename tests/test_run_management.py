@@ -134,7 +134,7 @@ def test_resumed_run_reproduces_uninterrupted_run_bit_exactly(kind, full_run, tm
 def test_gaussian_actor_rows_are_finite_and_per_seed(full_run):
     cfg, rows = full_run("reppo")
     assert [(r["env_steps"], r["seed"]) for r in rows] == [(s, i) for s in (128, 256, 384) for i in (0, 1)]
-    for key in ("eval_return", "steps_per_sec", "kl", "entropy", "alpha", "beta", "critic_loss", "q_mean"):
+    for key in ("eval_return", "eval_length", "steps_per_sec", "kl", "entropy", "alpha", "beta", "critic_loss", "q_mean"):
         assert all(np.isfinite(r[key]) for r in rows), key
     assert rows[-2]["eval_return"] != rows[-1]["eval_return"]  # two seeds, not one copied
 
@@ -298,6 +298,18 @@ def test_loading_a_checkpoint_never_unpickles(algo, full_run, tmp_path):
 
 
 @ALGOS
+def test_metrics_csv_keeps_rows_logged_before_a_metric_existed(algo, tmp_path):
+    """A run resumed by newer code appends rows with a metric the older rows lack (eval_length, added 2026-12-07):
+    metrics.csv gets every column, the older rows an empty cell there."""
+    path = str(tmp_path / "metrics.csv")
+    algo.write_csv(path, [{"env_steps": 1, "eval_return": -3.5}, {"env_steps": 2, "eval_return": -3.0,
+                                                                   "eval_length": 212.5}])
+    with open(path) as f:
+        assert list(csv.DictReader(f)) == [{"env_steps": "1", "eval_return": "-3.5", "eval_length": ""},
+                                           {"env_steps": "2", "eval_return": "-3.0", "eval_length": "212.5"}]
+
+
+@ALGOS
 def test_a_checkpoint_from_before_a_field_existed_keeps_what_it_ran(algo):
     """A saved config without a field added later (ADDED_FIELDS: --beta-min, --kl-stop, --anneal-lr, --gate-chunk,
     --gate-bf16) reads as the value the older code ran (no floor, no stop, a constant rate, the plain gradient), not
@@ -405,7 +417,8 @@ def test_eval_only_reports_mean_and_std_of_fresh_episodes(algo, full_run):
         log=lines.append)
     assert len(results) == 1 and results[0]["env_steps"] == 3 * 2 * 8 * 8
     assert 0 < results[0]["eval_return"] <= cfg.episode_length and results[0]["eval_return_std"] >= 0
-    assert "±" in lines[0] and "over 5 episodes" in lines[0]
+    assert 1 <= results[0]["eval_length"] <= cfg.episode_length
+    assert "±" in lines[0] and "over 5 episodes of" in lines[0]
 
 
 @ALGOS
@@ -614,12 +627,29 @@ def test_blow_up_during_evaluation_ends_that_episode_only(algo):
     env = point_env(algo, blow_up_after_4_steps)
     env = env._replace(reset=lambda key: PointSim(jnp.array([0.0, 0.4]) + jnp.array([0.0, 0.2]) * jnp.arange(2)[
         jax.random.randint(key, (), 0, 2)], jnp.zeros(()), jnp.zeros(())))
-    mean, std = map(float, algo.run_episodes(env, lambda obs, key: jnp.zeros((obs.shape[0], 1)),
-                                              jax.random.PRNGKey(0), 64, 20))
+    mean, std, length = map(float, algo.run_episodes(env, lambda obs, key: jnp.zeros((obs.shape[0], 1)),
+                                                      jax.random.PRNGKey(0), 64, 20))
     # every return is 4 (blown up after 4 rewards of 1) or 20 (all steps): a fraction p of 4s gives
-    # mean 20 - 16 p and std 16 sqrt(p (1 - p))
+    # mean 20 - 16 p and std 16 sqrt(p (1 - p)); the blown-up episodes took 5 steps, the others 20
     p = (20.0 - mean) / 16.0
     assert 0 < p < 1 and std == pytest.approx(16.0 * math.sqrt(p * (1 - p)), rel=1e-4)
+    assert length == pytest.approx(20.0 - 15.0 * p, rel=1e-4)
+
+
+@ALGOS
+def test_evaluation_length_counts_the_steps_up_to_the_first_end(algo):
+    """eval_length: an episode that terminates at its 7th step counts 7 steps and 7 rewards, nothing after it
+    (the environment would run on past done); one that never ends counts the whole time limit, 20."""
+    def terminate_at_step_7(sim, nxt, action):
+        end = (nxt.obs[0] >= 7) & (sim.obs[1] > 0.5)  # only episodes that started at x > 0.5
+        return nxt.replace(reward=jnp.ones(()), done=end.astype(jnp.float32))
+    env = point_env(algo, terminate_at_step_7)
+    env = env._replace(reset=lambda key: PointSim(jnp.array([0.0, 0.4]) + jnp.array([0.0, 0.2]) * jnp.arange(2)[
+        jax.random.randint(key, (), 0, 2)], jnp.zeros(()), jnp.zeros(())))
+    mean, _, length = map(float, algo.run_episodes(env, lambda obs, key: jnp.zeros((obs.shape[0], 1)),
+                                                   jax.random.PRNGKey(1), 64, 20))
+    p = (20.0 - mean) / 13.0  # the fraction of episodes that ended at step 7
+    assert 0 < p < 1 and length == pytest.approx(mean, rel=1e-5)  # one reward of 1 per step taken
 
 
 # ---------------------------------------------------------------------------------------------
