@@ -118,6 +118,10 @@ RUN_FIELDS = ("out_dir", "overwrite", "plot", "checkpoint_every", "keep_checkpoi
               "checkpoint", "eval_episodes", "video", "distributed", "coordinator_address", "num_processes",
               "process_id", "tensorboard", "wandb", "wandb_project")
 
+# Run fields a resumed run keeps from its checkpoint unless the command line gives them: a run that was
+# interrupted once checkpoints on, so that a second interruption loses no more than the first.
+RESUME_KEEPS = ("checkpoint_every", "keep_checkpoints")
+
 # Fields added after checkpoints were first written, with the value that a checkpoint without them ran (none yet).
 ADDED_FIELDS: dict = {}
 
@@ -1251,7 +1255,8 @@ def plot_curve(rows: list[dict], path: str, title: str) -> None:
 def parse_config(argv: list[str]) -> Config:
     """tyro CLI on top of a starting configuration, so explicit flags override it: the preset chosen by
     --preset/--env, or with --resume DIR / --eval-only --checkpoint PATH the saved run's algorithm settings
-    (from a verified checkpoint; how that run was managed, e.g. --distributed or --video, never carries over)."""
+    (from a verified checkpoint; how that run was managed, e.g. --distributed or --video, never carries over,
+    except that a resumed run goes on checkpointing as it did: RESUME_KEEPS)."""
     def peek(flag, default):
         for i, arg in enumerate(argv):
             if arg == flag and i + 1 < len(argv):
@@ -1264,8 +1269,8 @@ def parse_config(argv: list[str]) -> Config:
         path = checkpoint_file(resume or checkpoint)
         saved = config_from_dict(read_checkpoint(path)[0]["config"], f"checkpoint {path}")
         default = dataclasses.replace(saved, **{f: getattr(Config(), f) for f in RUN_FIELDS})
-        if resume:  # continue in that directory
-            default = dataclasses.replace(default, out_dir=resume)
+        if resume:  # continue in that directory, checkpointing as before
+            default = dataclasses.replace(default, out_dir=resume, **{f: getattr(saved, f) for f in RESUME_KEEPS})
     else:
         preset, env = peek("--preset", "cpu"), peek("--env", Config.env)
         if preset not in ("cpu", "paper"):

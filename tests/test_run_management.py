@@ -357,8 +357,9 @@ def test_crafted_headers_are_refused_before_use(algo, full_run, tmp_path, monkey
 
 @ALGOS
 def test_run_fields_never_come_from_the_checkpoint(algo, full_run, tmp_path, monkeypatch):
-    """A resumed run takes --distributed, its coordinator, --video, --wandb, ... from the command line only; a
-    header with a wrong checksum is refused before any of it is read, so no connection is ever opened."""
+    """A resumed run takes --distributed, its coordinator, --video, --wandb, ... from the command line only (it
+    keeps --checkpoint-every and --keep-checkpoints unless the command line gives them); a header with a wrong
+    checksum is refused before any of it is read, so no connection is ever opened."""
     cfg, _ = full_run(algo)
     good = os.path.join(cfg.out_dir, "checkpoint.msgpack")
     connect = dict(distributed=True, coordinator_address="203.0.113.1:1234", num_processes=2, process_id=1,
@@ -374,6 +375,10 @@ def test_run_fields_never_come_from_the_checkpoint(algo, full_run, tmp_path, mon
     assert not resumed.distributed and resumed.coordinator_address is None and resumed.video is None
     assert not resumed.wandb and not resumed.eval_only and resumed.checkpoint is None
     assert resumed.out_dir == str(crafted) and resumed.num_envs == cfg.num_envs
+    # but it checkpoints as the run it continues did, unless told otherwise
+    assert (resumed.checkpoint_every, resumed.keep_checkpoints) == (cfg.checkpoint_every, cfg.keep_checkpoints)
+    assert cfg.checkpoint_every > 0
+    assert algo.parse_config(["--resume", str(crafted), "--checkpoint-every", "0"]).checkpoint_every == 0
     data = bytearray((crafted / "checkpoint.msgpack").read_bytes())
     data[-1] ^= 0xFF  # the checksum no longer matches
     (crafted / "checkpoint.msgpack").write_bytes(bytes(data))
