@@ -1161,9 +1161,11 @@ def train(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
         eta = (cfg.num_evals - i - 1) * wall / (i + 1)
         num_resets = int(np.sum(metrics["physics_resets"]))
         resets = f" | physics resets {num_resets}" if num_resets else ""
+        length = np.mean(metrics["eval_length"])  # shown where evaluation episodes end early (a robot that falls)
+        ended = f" | eval length {length:.0f}" if length < cfg.episode_length else ""
         extra = "".join(f" | {k} {np.mean(metrics[k]):.3g}" for k in PROGRESS_METRICS)
         log(f"[{name} {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
-            f"eval {np.mean(metrics['eval_return']):.1f} | train {np.mean(metrics['train_return']):.1f}{extra}"
+            f"eval {np.mean(metrics['eval_return']):.1f}{ended} | train {np.mean(metrics['train_return']):.1f}{extra}"
             f"{resets} | ETA {eta:.0f} s")
     for _, close in sinks:
         close()
