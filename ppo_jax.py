@@ -699,8 +699,8 @@ def eval_policy(cfg: Config, env: Env, params, norm: Normalizer) -> Callable:
 # ---------------------------------------------------------------------------------------------
 def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_length: int):
     """Mean and std of the returns of fresh episodes, and their mean length: the steps taken up to the first end,
-    that step included (a physics blow-up ends an episode, its reward dropped). On locomotion tasks the length
-    moves first: a robot learns not to fall before it is paid for walking."""
+    that step included (a physics blow-up ends an episode, its reward dropped). On a locomotion task that ends
+    episodes when the robot falls, the length shows standing longer even where the return hardly moves."""
     k_reset, k_act = jax.random.split(key)
     sim = jax.vmap(env.reset)(jax.random.split(k_reset, num_episodes))
 

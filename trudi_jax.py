@@ -101,10 +101,10 @@ class Config:
     kl_samples: int = 4  # Gaussian actor: c(s) by this many action samples, clipped, as REPPO's code (0: closed form)
     remat: Literal["auto", "on", "off"] = "auto"  # chain and KL gradients in cache-sized pieces (auto: on CPU)
     gate_chunk: int | None = None  # states per chunk of the gated actor gradient (0: plain; None: 256 on CPU at paper)
-    # > 0: the actor's gradient per state through its branch of the gate only, in chunks of this many states
-    # (gated_actor_grad; forward-KL TruDi); 0: the loss's plain gradient; None: see gate_chunk()
+    # > 0: the actor's gradient per state through its branch of the gate only (gated_actor_grad; forward-KL TruDi);
+    # 0: the loss's plain gradient; None: see gate_chunk()
     gate_bf16: bool | None = None  # gates of the gated gradient from c(s) with bfloat16 products (None: on CPU)
-    # (float32 accumulation; the gradients stay float32); None: on CPU wherever the gated gradient runs (gate_bf16)
+    # float32 accumulation, the gradients stay float32; None: on CPU wherever the gated gradient runs (gate_bf16())
     kl_start: float = 0.01  # initial beta (KL multiplier)
     beta_min: float | None = None  # floor of beta after each step (None: BETA_MIN[actor]; 0: none, as REPPO's code)
     kl_stop: float = 0.0  # the actor's steps of an iteration end once a minibatch's mean c > kl_stop * eps (0: never)
@@ -1283,8 +1283,8 @@ def eval_policy(cfg: Config, env: Env, policy_params, norm: Normalizer) -> Calla
 # ---------------------------------------------------------------------------------------------
 def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_length: int):
     """Mean and std of the returns of fresh episodes, and their mean length: the steps taken up to the first end,
-    that step included (a physics blow-up ends an episode, its reward dropped). On locomotion tasks the length
-    moves first: a robot learns not to fall before it is paid for walking."""
+    that step included (a physics blow-up ends an episode, its reward dropped). On a locomotion task that ends
+    episodes when the robot falls, the length shows standing longer even where the return hardly moves."""
     k_reset, k_act = jax.random.split(key)
     sim = jax.vmap(env.reset)(jax.random.split(k_reset, num_episodes))
 
