@@ -569,6 +569,25 @@ def test_physics_blow_ups_are_counted_and_never_reach_the_update(algo, monkeypat
 
 
 @ALGOS
+@pytest.mark.parametrize("episode_length", [1000, 6])
+def test_progress_line_shows_the_evaluation_length_where_episodes_end_early(algo, episode_length, monkeypatch,
+                                                                             tmp_path):
+    """Every episode terminates at its 7th step: with a time limit of 1000 each progress line says "eval length 7",
+    as metrics.csv does; with a limit of 6 the episodes run to it and the line leaves the length out."""
+    def terminate_at_step_7(sim, nxt, action):
+        return nxt.replace(done=(nxt.obs[0] >= 7).astype(jnp.float32))
+    monkeypatch.setattr(algo, "make_env", lambda name, *options: point_env(algo, terminate_at_step_7))
+    cfg = tiny(algo, tmp_path, episode_length=episode_length, num_eval_envs=2)
+    lines = []
+    rows = algo.train(cfg, log=lines.append)
+    assert [r["eval_length"] for r in rows] == [min(7.0, episode_length)] * len(rows)
+    progress = [line for line in lines if " steps/s " in line]
+    assert len(progress) == cfg.num_evals
+    assert all(("eval length" in line) == (episode_length == 1000) for line in progress)
+    assert all(" | eval length 7 | " in line for line in progress if episode_length == 1000)
+
+
+@ALGOS
 def test_nonfinite_loss_stops_the_run_naming_it_and_keeps_last_good_checkpoint(algo, monkeypatch, tmp_path):
     def huge_rewards_from_step_40(sim, nxt, action):  # finite, but overflows the losses
         return nxt.replace(reward=jnp.where(nxt.obs[0] >= 40, 1e36, nxt.reward))
