@@ -1284,21 +1284,26 @@ def eval_policy(cfg: Config, env: Env, policy_params, norm: Normalizer) -> Calla
 def run_episodes(env: Env, actor: Callable, key, num_episodes: int, episode_length: int):
     """Mean and std of the returns of fresh episodes, and their mean length: the steps taken up to the first end,
     that step included (a physics blow-up ends an episode, its reward dropped). On a locomotion task that ends
-    episodes when the robot falls, the length shows standing longer even where the return hardly moves."""
+    episodes when the robot falls, the length shows standing longer even where the return hardly moves. Stops
+    stepping once every episode has ended (a robot that falls at step 50 of 1000 costs 50 steps)."""
     k_reset, k_act = jax.random.split(key)
     sim = jax.vmap(env.reset)(jax.random.split(k_reset, num_episodes))
+    keys = jax.random.split(k_act, episode_length)
 
-    def step(carry, k):
-        sim, alive, ret, length = carry
+    def step(carry):
+        t, sim, alive, ret, length = carry
         length = length + alive
-        sim = jax.vmap(env.step)(sim, actor(observation(sim), k))
+        sim = jax.vmap(env.step)(sim, actor(observation(sim), keys[t]))
         alive = alive * jnp.isfinite(observation(sim)).all(-1) * jnp.isfinite(sim.reward)
         ret = ret + jnp.where(alive > 0, sim.reward, 0.0)
-        return (sim, alive * (1.0 - (sim.done > 0)), ret, length), None
+        return t + 1, sim, alive * (1.0 - (sim.done > 0)), ret, length
+
+    def running(carry):
+        t, _, alive, _, _ = carry
+        return (t < episode_length) & jnp.any(alive > 0)
 
     zeros = jnp.zeros(num_episodes)
-    (_, _, ret, length), _ = jax.lax.scan(step, (sim, jnp.ones(num_episodes), zeros, zeros),
-                                          jax.random.split(k_act, episode_length))
+    _, _, _, ret, length = jax.lax.while_loop(running, step, (0, sim, jnp.ones(num_episodes), zeros, zeros))
     return ret.mean(), ret.std(), length.mean()
 
 

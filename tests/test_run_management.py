@@ -676,6 +676,28 @@ def test_evaluation_length_counts_the_steps_up_to_the_first_end(algo):
     assert 0 < p < 1 and length == pytest.approx(mean, rel=1e-5)  # one reward of 1 per step taken
 
 
+@ALGOS
+@pytest.mark.parametrize("ending", ["all", "some"])
+def test_evaluation_stops_stepping_once_every_episode_has_ended(algo, ending):
+    """Episodes that start at x > 0.5 terminate at their 7th step, the others run to the time limit (20): where all
+    of them start there, the policy acts 7 times, not 20; where some do, it acts 20 times."""
+    def terminate_at_step_7(sim, nxt, action):
+        end = (nxt.obs[0] >= 7) & (sim.obs[1] > 0.5)
+        return nxt.replace(reward=jnp.ones(()), done=end.astype(jnp.float32))
+    starts = jnp.array([0.6, 0.6] if ending == "all" else [0.4, 0.6])
+    env = point_env(algo, terminate_at_step_7)._replace(reset=lambda key: PointSim(
+        jnp.stack([0.0, starts[jax.random.randint(key, (), 0, 2)]]), jnp.zeros(()), jnp.zeros(())))
+    calls = []
+
+    def actor(obs, key):
+        jax.debug.callback(lambda: calls.append(1))
+        return jnp.zeros((obs.shape[0], 1))
+    _, _, length = jax.jit(lambda key: algo.run_episodes(env, actor, key, 16, 20))(jax.random.PRNGKey(0))
+    jax.effects_barrier()
+    assert len(calls) == (7 if ending == "all" else 20)
+    assert (float(length) == 7.0) == (ending == "all") and 7.0 <= float(length) < 20.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Configuration errors (before anything compiles)
 # ---------------------------------------------------------------------------------------------
