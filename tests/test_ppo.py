@@ -198,11 +198,11 @@ def assert_one_line_error(result):
 def test_cli_unknown_env_exits_with_close_matches(tmp_path):
     out_dir = tmp_path / "run"
     message = assert_one_line_error(run_cli("--env", "CartpoleBalanc", "--out-dir", str(out_dir)))
-    assert "CartpoleBalance" in message
+    assert "did you mean CartpoleBalance" in message
     assert not out_dir.exists()
     with pytest.raises(SystemExit) as exit_info:  # a name absent from the message's fixed examples
         ppo_jax.make_env("CheetahRn")
-    assert "CheetahRun" in str(exit_info.value)
+    assert "did you mean CheetahRun" in str(exit_info.value)
 
 
 def test_cli_indivisible_minibatches_exits_before_writing(tmp_path):

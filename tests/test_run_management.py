@@ -62,6 +62,11 @@ def full_run(tmp_path_factory):
             algo, overrides = KINDS[kind]
             cfg = tiny(algo, tmp_path_factory.mktemp(kind + "_full"), **overrides)
             runs[kind] = cfg, algo.train(cfg, log=lambda line: None)
+            with open(os.path.join(cfg.out_dir, "metrics.csv")) as f:  # the file holds what train returned
+                saved = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+            assert [list(r) for r in saved] == [list(r) for r in runs[kind][1]]
+            assert all(a[k] == b[k] or math.isnan(a[k]) and math.isnan(b[k])
+                       for a, b in zip(saved, runs[kind][1], strict=True) for k in a)
         return runs[kind]
     return get
 
@@ -119,7 +124,13 @@ def test_resumed_run_reproduces_uninterrupted_run_bit_exactly(kind, full_run, tm
 
     resumed_cfg = algo.parse_config(["--resume", str(tmp_path / "run"), "--checkpoint-every", "1", "--wandb"])
     assert resumed_cfg.out_dir == str(tmp_path / "run") and resumed_cfg.num_envs == 8  # the saved config
-    rows = algo.train(resumed_cfg, log=lambda line: None)
+    lines = []
+    rows = algo.train(resumed_cfg, log=lines.append)
+    assert any(f"resuming {tmp_path / 'run' / 'checkpoint.msgpack'} after {2 * 8 * 8 * 2:,} env steps" in line
+               for line in lines)
+    progress = [line for line in lines if " steps/s " in line]  # only the third log point was trained again
+    assert len(progress) == 1 and f"steps {3 * 8 * 8 * 2:,} " in progress[0]
+    assert rows[:2 * cfg.num_seeds] == meta["rows"]  # the rows before the interruption, timings included
     assert len(rows) == len(reference) == 3 * cfg.num_seeds
     assert_rows_equal(rows, reference)
     with open(tmp_path / "run" / "metrics.csv") as f:
@@ -422,8 +433,12 @@ def test_eval_only_reports_mean_and_std_of_fresh_episodes(algo, full_run):
         log=lines.append)
     assert len(results) == 1 and results[0]["env_steps"] == 3 * 2 * 8 * 8
     assert 0 < results[0]["eval_return"] <= cfg.episode_length and results[0]["eval_return_std"] >= 0
-    assert 1 <= results[0]["eval_length"] <= cfg.episode_length
-    assert "±" in lines[0] and "over 5 episodes of" in lines[0]
+    assert results[0]["eval_length"] == cfg.episode_length  # CartpoleBalance never ends an episode early
+    assert "±" in lines[0] and f"over 5 episodes of {cfg.episode_length} steps" in lines[0]
+    earlier = algo.evaluate_checkpoint(algo.parse_config(  # the kept checkpoint of the 2nd log point
+        ["--eval-only", "--checkpoint", os.path.join(cfg.out_dir, "checkpoint_000000000256.msgpack"),
+         "--eval-episodes", "5"]), log=lambda line: None)
+    assert earlier[0]["env_steps"] == 2 * 2 * 8 * 8 and earlier[0]["eval_return"] != results[0]["eval_return"]
 
 
 @ALGOS

@@ -663,7 +663,7 @@ def test_every_preset_keeps_the_scaled_returns_inside_the_critic_support(preset)
 # CLI: bad input is rejected with one line and a non-zero exit, before anything compiles.
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,needle", [
-    (["--env", "HumanoidWalkk"], "HumanoidWalk"),
+    (["--env", "HumanoidWalj"], "did you mean HumanoidWalk"),
     (["--num-envs", "10", "--rollout-steps", "3", "--num-minibatches", "4"], "not divisible"),
     (["--total-steps", "-5"], "--total-steps"),
     (["--preset", "huge"], "preset"),
