@@ -99,7 +99,7 @@ class Config:
     # run management: checkpoints, evaluation of a saved policy, video, devices, logging
     checkpoint_every: int = 0  # write <out_dir>/checkpoint.msgpack every N log points and at the end (0: never)
     keep_checkpoints: int = 1  # checkpoints kept: the newest, and older ones as checkpoint_<env steps>.msgpack
-    resume: str | None = None  # continue the run of this directory from its newest checkpoint (its config + your flags)
+    resume: str | None = None  # continue a run: its directory or a checkpoint file in it (config + your flags)
     eval_only: bool = False  # evaluate --checkpoint for --eval-episodes fresh episodes; no training
     checkpoint: str | None = None  # checkpoint file (or run directory) read by --eval-only
     eval_episodes: int = 100  # fresh episodes of --eval-only
@@ -899,6 +899,11 @@ def checkpoint_file(path: str) -> str:
     return os.path.join(path, CHECKPOINT) if os.path.isdir(path) else path
 
 
+def run_of(path: str) -> str:
+    """The run directory of a --resume path (a run directory or a checkpoint file in one)."""
+    return path if os.path.isdir(path) else os.path.dirname(path) or "."
+
+
 def keep_previous_checkpoint(out_dir: str, previous_steps: int | None, keep: int) -> None:
     """Before a new checkpoint replaces the newest one: keep that one as checkpoint_<env steps>.msgpack (a hard
     link, no copy) and delete the oldest kept ones, so that `keep` checkpoints remain in all."""
@@ -1042,7 +1047,7 @@ def check_writable(path: str, flag: str) -> None:
 
 def run_directory(cfg: Config, name: str) -> str:
     """--out-dir exactly as given, else a new runs/<algo>_<env>_<seed>_<date-time>. A directory holding another
-    run's outputs is refused unless --overwrite, or --resume continues that very run."""
+    run's outputs is refused unless --overwrite, or --resume continues that very run from its newest checkpoint."""
     if cfg.out_dir is None:
         base = os.path.join("runs", f"{name}_{cfg.env}_{cfg.seed}_{time.strftime('%Y%m%d-%H%M%S')}")
         out_dir, n = base, 1
@@ -1051,8 +1056,9 @@ def run_directory(cfg: Config, name: str) -> str:
             out_dir = f"{base}-{n}"
         return out_dir
     check_writable(cfg.out_dir, "--out-dir")
+    continues = cfg.resume and os.path.basename(checkpoint_file(cfg.resume)) == CHECKPOINT
     if os.path.isdir(cfg.out_dir) and not cfg.overwrite and not (
-            cfg.resume and os.path.samefile(cfg.resume, cfg.out_dir)):
+            continues and os.path.samefile(run_of(cfg.resume), cfg.out_dir)):
         held = sorted(f for f in os.listdir(cfg.out_dir) if f in RUN_OUTPUTS or f.startswith("checkpoint_"))
         if held:
             raise SystemExit(f"error: --out-dir {cfg.out_dir} already holds a run ({', '.join(held)}); pass "
@@ -1276,8 +1282,12 @@ def parse_config(argv: list[str]) -> Config:
         path = checkpoint_file(resume or checkpoint)
         saved = config_from_dict(read_checkpoint(path)[0]["config"], f"checkpoint {path}")
         default = dataclasses.replace(saved, **{f: getattr(Config(), f) for f in RUN_FIELDS})
-        if resume:  # continue in that directory, checkpointing as before
-            default = dataclasses.replace(default, out_dir=resume, **{f: getattr(saved, f) for f in RESUME_KEEPS})
+        if resume:  # continue in that run's directory, checkpointing as before
+            if os.path.basename(path) != CHECKPOINT and peek("--out-dir", None) is None:
+                raise SystemExit(f"error: {path} is an older checkpoint of {run_of(path)}; continuing it there would "
+                                 f"replace that run's later checkpoints and metrics: pass --out-dir NEW_DIR")
+            default = dataclasses.replace(default, out_dir=run_of(resume),
+                                          **{f: getattr(saved, f) for f in RESUME_KEEPS})
     else:
         preset, env = peek("--preset", "cpu"), peek("--env", Config.env)
         if preset not in ("cpu", "paper"):

@@ -367,6 +367,24 @@ def test_crafted_headers_are_refused_before_use(algo, full_run, tmp_path, monkey
 
 
 @ALGOS
+def test_resume_takes_a_run_directory_or_a_checkpoint_file(algo, full_run, tmp_path):
+    """--resume DIR and --resume DIR/checkpoint.msgpack continue in DIR; an older kept checkpoint continues only
+    where --out-dir says (in DIR it would replace the later checkpoints and metrics), refused before anything is
+    written otherwise."""
+    cfg, _ = full_run(algo)
+    for path in (cfg.out_dir, os.path.join(cfg.out_dir, "checkpoint.msgpack")):
+        resumed = algo.parse_config(["--resume", path])
+        assert resumed.out_dir == cfg.out_dir and algo.run_directory(resumed, "x") == cfg.out_dir
+    older = os.path.join(cfg.out_dir, "checkpoint_000000000256.msgpack")
+    with pytest.raises(SystemExit, match="older checkpoint of .* pass --out-dir NEW_DIR"):
+        algo.parse_config(["--resume", older])
+    fork = algo.parse_config(["--resume", older, "--out-dir", str(tmp_path / "fork")])
+    assert algo.run_directory(fork, "x") == str(tmp_path / "fork") and not (tmp_path / "fork").exists()
+    with pytest.raises(SystemExit, match="already holds a run"):  # continuing it in its own run is refused
+        algo.run_directory(algo.parse_config(["--resume", older, "--out-dir", cfg.out_dir + "/"]), "x")
+
+
+@ALGOS
 def test_run_fields_never_come_from_the_checkpoint(algo, full_run, tmp_path, monkeypatch):
     """A resumed run takes --distributed, its coordinator, --video, --wandb, ... from the command line only (it
     keeps --checkpoint-every and --keep-checkpoints unless the command line gives them); a header with a wrong
