@@ -748,15 +748,24 @@ BAD_FLAGS = [
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be positive"),
     (["--video", "/dev/null/x.mp4"], "--video /dev/null/x.mp4: cannot be created"),  # even as root
     (["HIDDEN"], "needs one or more positive widths"),
+    (["ACTOR_HIDDEN", "32", "0"], "needs one or more positive widths"),
+    (["--num-seeds", "0"], "--num-seeds must be positive"),
+    (["--num-epochs", "0"], "--num-minibatches and --num-epochs must be positive"),
+    (["--episode-length", "0"], "--episode-length must be positive"),
+    (["--gamma", "1.5"], "--gamma must be in (0, 1]"),
+    (["--num-eval-envs", "-1"], "--num-eval-envs non-negative"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0"),
+    (["--learning-rate", "0"], "--learning-rate"),
 ]
 HIDDEN = {ppo_jax: "--value-hidden", trudi_jax: "--critic-hidden"}  # a width list given no values
+ACTOR_HIDDEN = {ppo_jax: "--policy-hidden", trudi_jax: "--actor-hidden"}
 
 
 @ALGOS
 @pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[f[0][0] for f in BAD_FLAGS])
 def test_impossible_configuration_exits_with_one_line_before_compiling(algo, flags, message, tmp_path):
     out = tmp_path / "out"
-    flags = [HIDDEN[algo] if f == "HIDDEN" else f for f in flags]
+    flags = [{"HIDDEN": HIDDEN, "ACTOR_HIDDEN": ACTOR_HIDDEN}[f][algo] if f.isupper() else f for f in flags]
     with pytest.raises(SystemExit) as error:
         algo.train(algo.parse_config(flags + ["--out-dir", str(out)]), log=lambda line: None)
     assert message in str(error.value) and "\n" not in str(error.value)

@@ -386,6 +386,16 @@ TRUDI_BAD_FLAGS = [
     (["--kl-direction", "reverse", "--gate-bf16", "True"], "--gate-bf16 computes the gates"),
     (["--gate-chunk", "0", "--gate-bf16", "True"], "--gate-bf16 computes the gates"),
     (["--kl-stop", "-1"], "--kl-stop must be >= 0"),
+    (["--num-diffusion-steps", "0"], "--num-diffusion-steps must be positive"),
+    (["--num-old-chains", "0"], "--num-old-chains and --num-action-samples must be positive"),
+    (["--kl-bound", "0"], "--kl-bound must be positive"),
+    (["--beta-min", "-1"], "--beta-min must be >= 0"),
+    (["--kl-samples", "-1"], "--kl-samples must be >= 0"),
+    (["--actor", "gaussian", "--kl-samples", "4", "--kl-mode", "mean"], "--kl-mode mean is a closed form"),
+    (["--vmin", "0", "--vmax", "-1"], "--vmax must exceed --vmin"),
+    (["--num-bins", "1"], "--num-bins must exceed 1"),
+    (["--td-lambda", "2"], "--td-lambda in [0, 1]"),
+    (["--prior-std", "0"], "--prior-std and --total-time must be positive"),
 ]
 
 
