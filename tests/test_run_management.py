@@ -6,6 +6,7 @@ One short CartpoleBalance run per algorithm (checkpoint every log point) is shar
 import csv
 import dataclasses
 import hashlib
+import importlib.util
 import inspect
 import json
 import math
@@ -384,6 +385,25 @@ def test_resume_takes_a_run_directory_or_a_checkpoint_file(algo, full_run, tmp_p
         algo.run_directory(algo.parse_config(["--resume", older, "--out-dir", cfg.out_dir + "/"]), "x")
 
 
+def test_checkpoints_every_n_log_points_and_at_the_end_and_the_curve_is_plotted(monkeypatch, tmp_path):
+    """--checkpoint-every 2 over 3 log points writes at the 2nd and the 3rd (the end), the 2nd kept beside the newest
+    (--keep-checkpoints 2); --plot draws curve.png from the rows. Run-management text, the same in both files (a
+    test checks it): PPO stands for both."""
+    algo = ppo_jax
+    monkeypatch.setattr(algo, "make_env", lambda name, *options: point_env(algo, lambda sim, nxt, action: nxt))
+    cfg = tiny(algo, tmp_path / "run", checkpoint_every=2, plot=True, num_eval_envs=2)
+    lines = []
+    algo.train(cfg, log=lines.append)
+    assert sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("checkpoint")) == [
+        "checkpoint.msgpack", f"checkpoint_{2 * 8 * 8 * 2:012d}.msgpack"]
+    assert sum("checkpoint " in line for line in lines) == 2
+    meta, _ = algo.read_checkpoint(os.path.join(cfg.out_dir, "checkpoint.msgpack"))
+    assert meta["chunks_done"] == 3
+    import matplotlib.pyplot as plt
+    image = plt.imread(os.path.join(cfg.out_dir, "curve.png"))
+    assert image.shape[0] > 100 and image[..., :3].std() > 0.01  # a drawing, not a blank image
+
+
 @ALGOS
 def test_run_fields_never_come_from_the_checkpoint(algo, full_run, tmp_path, monkeypatch):
     """A resumed run takes --distributed, its coordinator, --video, --wandb, ... from the command line only (it
@@ -483,6 +503,26 @@ def test_video_without_a_working_renderer_is_refused_before_compiling(tmp_path):
     assert "error: --video: MuJoCo cannot render headless here with MUJOCO_GL=glfw" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "v.mp4").exists()
+
+
+@ALGOS
+def test_video_needs_a_renderer_and_an_encoder(algo, monkeypatch):
+    """--video on a task without a renderer, or without imageio-ffmpeg: one line before anything compiles."""
+    env = point_env(algo, lambda sim, nxt, action: nxt)
+    with pytest.raises(SystemExit, match="^error: --video: this task has no renderer$"):
+        algo.check_video_support(env._replace(render=None))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match=r"--video needs the imageio-ffmpeg package \(pip install imageio-ffmpeg\)"):
+        algo.check_video_support(env._replace(render=lambda states, height, width: None))
+
+
+@ALGOS
+def test_eval_only_refuses_a_checkpoint_of_another_task(algo, full_run):
+    cfg, _ = full_run(algo)
+    path = os.path.join(cfg.out_dir, "checkpoint.msgpack")
+    other = dataclasses.replace(algo.parse_config(["--eval-only", "--checkpoint", path]), env="CheetahRun")
+    with pytest.raises(SystemExit, match=f"checkpoint {path} is from env 'CartpoleBalance'.*not 'CheetahRun'"):
+        algo.evaluate_checkpoint(other, log=lambda line: None)
 
 
 BRAX_VIDEO = """
@@ -631,6 +671,8 @@ def test_nonfinite_loss_stops_the_run_naming_it_and_keeps_last_good_checkpoint(a
     meta, _ = algo.read_checkpoint(os.path.join(cfg.out_dir, "checkpoint.msgpack"))
     assert meta["chunks_done"] == 2
     assert all(np.isfinite(r[k]) for r in meta["rows"] for k in r if k.endswith("loss"))
+    with open(os.path.join(cfg.out_dir, "metrics.csv")) as f:  # the failing log point wrote no row
+        assert [int(r["env_steps"]) for r in csv.DictReader(f)] == [r["env_steps"] for r in meta["rows"]]
 
 
 @ALGOS
@@ -673,6 +715,7 @@ def test_nonfinite_rewards_stop_the_run(algo, monkeypatch, tmp_path):
     cfg, lines, run = run_point(algo, monkeypatch, env, tmp_path, reward_scale=1e10)
     with pytest.raises(SystemExit, match="non-finite rewards at iteration 0 .* no checkpoint written"):
         run()
+    assert not any(f.startswith("checkpoint") or f == "metrics.csv" for f in os.listdir(cfg.out_dir))
 
 
 @ALGOS
