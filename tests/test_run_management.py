@@ -184,7 +184,14 @@ def test_checkpoint_holds_the_whole_train_state(algo, full_run):
     assert state.env_state.t.shape == (1, 8) and state.reset_pool.t.shape == (1, 8)  # environments, pool
     if algo is trudi_jax:
         assert float(state.actor_params["log_beta"][0]) != math.log(cfg.kl_start)  # dual variables moved
-        assert state.actor_opt_state is not None and state.critic_opt_state is not None
+    # the optimisers' states: Adam's step count is the number of updates (6 iterations x 2 minibatches x 1 epoch)
+    opt_states = [state.actor_opt_state, state.critic_opt_state] if algo is trudi_jax else [state.opt_state]
+    for opt_state in opt_states:
+        counts = [int(leaf[0]) for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state)
+                  if "count" in jax.tree_util.keystr(path)]
+        assert counts and set(counts) == {3 * 2 * 2}, counts
+    fresh = jax.vmap(init)(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0)[None])  # the run's first state
+    assert fresh.key.shape == state.key.shape and not np.array_equal(state.key, fresh.key)  # its RNG key moved on
     assert meta["env_steps"] == 3 * 2 * 8 * 8 and len(meta["rows"]) == 3
 
 
