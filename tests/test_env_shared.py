@@ -45,9 +45,9 @@ def test_truncated_step_reports_final_obs_and_continues_from_pool(algo):
 @ALGOS
 def test_reset_pool_is_renewed_whole_once_per_episode_length_and_kept_in_between(algo):
     """refresh_pool re-samples every slot where renew, else returns the pool unchanged; the training loop renews at
-    the chunk's iterations 0, P, 2P, ... (P = episode_length // rollout_steps). Its predicate, the iteration's index
-    in the chunk, has no seed axis, so under vmap over seeds the lax.cond stays a branch: a select would run the
-    resets (up to 200 physics steps each) at every iteration."""
+    the chunk's iterations 0, P, 2P, ... (P = episode_length // rollout_steps: the next test). A predicate without
+    a seed axis keeps the lax.cond a branch under vmap over seeds: a select would run the resets (up to 200 physics
+    steps each) at every iteration."""
     env = counter_env(algo)
     assert algo.pool_renewal_period(100, 25) == 4 and algo.pool_renewal_period(10, 25) == 1
     pool = algo.env_reset(env, jax.random.split(jax.random.PRNGKey(0), 8))
@@ -61,6 +61,31 @@ def test_reset_pool_is_renewed_whole_once_per_episode_length_and_kept_in_between
     assert "cond[" in str(jax.make_jaxpr(seeds)(pools, keys, 3))  # a branch, not a select of both
     np.testing.assert_array_equal(seeds(pools, keys, 3).sim.obs, pools.sim.obs)
     assert np.all(np.asarray(seeds(pools, keys, 4).sim.obs[:, :, 1]) != np.asarray(pools.sim.obs[:, :, 1]))
+
+
+@ALGOS
+def test_training_loop_renews_the_pool_at_iterations_0_and_P_of_a_chunk_for_all_seeds_at_once(algo):
+    """A chunk of 8 iterations with P = 20 // 5 = 4, 2 seeds vmapped: env.reset runs at iterations 0 and 4 only (a
+    callback in it counts its calls: one per vmapped call), not at all 8 as a select under vmap would."""
+    calls = []
+    env = counter_env(algo)
+
+    def reset(key, reset=env.reset):
+        jax.debug.callback(lambda: calls.append(1))
+        return reset(key)
+    nets = (dict(policy_hidden=(8,), value_hidden=(8,)) if algo is ppo_jax else
+            dict(actor_hidden=(8,), critic_hidden=(8,), num_bins=11, num_diffusion_steps=2))
+    cfg = algo.Config(num_envs=4, rollout_steps=5, num_minibatches=2, num_epochs=1, total_steps=4 * 5 * 8,
+                      num_evals=1, num_eval_envs=0, episode_length=20, num_seeds=2, **nets)
+    assert algo.chunk_iterations(cfg) == 8 and algo.pool_renewal_period(20, 5) == 4
+    init, chunk, _ = algo.make_train(cfg, env._replace(reset=reset))
+    ts = jax.jit(jax.vmap(init))(jax.random.split(jax.random.PRNGKey(0), 2))
+    jax.effects_barrier()
+    assert len(calls) == 2  # the environments' first states and the first pool
+    calls.clear()
+    jax.block_until_ready(jax.jit(jax.vmap(chunk))(ts))
+    jax.effects_barrier()
+    assert len(calls) == 2
 
 
 @ALGOS
