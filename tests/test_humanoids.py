@@ -121,9 +121,11 @@ def test_g1_trains_offline_with_privileged_critic_and_randomised_robots():
     env, ts = train_two_iterations(algo, cfg)
     assert env.actor_reads == (0, 103) and env.critic_reads == (103, 319) and env.action_size == 29
     assert env.randomized
-    # every environment (and pool slot) carries its own robot: body masses differ between environments
-    robots = [np.asarray(x) for x in jax.tree.leaves(ts.env_state.sim.info[algo.ROBOT])]
-    assert any(np.abs(x[0] - x[1]).max() > 0 for x in robots)
+    # every environment and every pool slot carries its own robot: the drawn model fields (friction, masses, ...)
+    # differ between environments 0 and 1 and between pool slots 0 and 1
+    for states in (ts.env_state, ts.reset_pool):
+        robots = [np.asarray(x) for x in jax.tree.leaves(states.sim.info[algo.ROBOT])]
+        assert robots and any(np.abs(x[0] - x[1]).max() > 0 for x in robots)
     # the critic's first layer takes the privileged state (216) and, for TruDi's Q, the action (29)
     kernels = [x.shape[0] for x in jax.tree.leaves(ts.critic_params) if x.ndim == 2]
     assert 216 + 29 in kernels

@@ -667,6 +667,7 @@ def test_every_preset_keeps_the_scaled_returns_inside_the_critic_support(preset)
         if env[0].isupper() and not env.startswith("G1"):  # DM Control: the largest discounted return fits
             assert 1.0 * scale / (1 - cfg.gamma) <= cfg.vmax
     assert T.parse_config(["--env", "humanoid"]).reward_scale == 0.1  # the cpu preset too, chosen by --env
+    assert T.parse_config(["--env=humanoid", "--preset=paper"]) == T.preset_config("paper", "humanoid")  # = form
 
 
 # ---------------------------------------------------------------------------------------------
