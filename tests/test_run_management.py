@@ -394,13 +394,14 @@ def test_resume_takes_a_run_directory_or_a_checkpoint_file(algo, full_run, tmp_p
 
 def test_checkpoints_every_n_log_points_and_at_the_end_and_the_curve_is_plotted(monkeypatch, tmp_path):
     """--checkpoint-every 2 over 3 log points writes at the 2nd and the 3rd (the end), the 2nd kept beside the newest
-    (--keep-checkpoints 2); --plot draws curve.png from the rows. Run-management text, the same in both files (a
+    (--keep-checkpoints 2); --plot draws curve.png from the rows; the rows name --seed. Run-management text, the same in both files (a
     test checks it): PPO stands for both."""
     algo = ppo_jax
     monkeypatch.setattr(algo, "make_env", lambda name, *options: point_env(algo, lambda sim, nxt, action: nxt))
-    cfg = tiny(algo, tmp_path / "run", checkpoint_every=2, plot=True, num_eval_envs=2)
+    cfg = tiny(algo, tmp_path / "run", checkpoint_every=2, plot=True, num_eval_envs=2, seed=7)
     lines = []
-    algo.train(cfg, log=lines.append)
+    rows = algo.train(cfg, log=lines.append)
+    assert [r["seed"] for r in rows] == [7, 7, 7]  # a single seed's rows carry --seed, not its index 0
     assert sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("checkpoint")) == [
         "checkpoint.msgpack", f"checkpoint_{2 * 8 * 8 * 2:012d}.msgpack"]
     assert sum("checkpoint " in line for line in lines) == 2
