@@ -593,7 +593,7 @@ def collect_rollout(lr: Learner, ts: TrainState, key, renew_pool) -> tuple:
     reset_pool = refresh_pool(env, ts.reset_pool, k_pool, renew_pool)
 
     def step(env_state, k):
-        obs = observation(env_state.sim)
+        obs, steps_before = observation(env_state.sim), env_state.t  # an episode that ends now took t + 1 steps
         mean, log_std = lr.policy.apply(ts.params["policy"], normalize(ts.norm, obs, cfg.normalize_obs))
         u = mean + jnp.exp(log_std) * jax.random.normal(k, mean.shape)
         env_state, out = env_step(env, env_state, jnp.tanh(u), reset_pool, cfg.episode_length)
@@ -601,11 +601,13 @@ def collect_rollout(lr: Learner, ts: TrainState, key, renew_pool) -> tuple:
                         out.truncated, out.final_obs)
         done = jnp.maximum(out.terminated, out.truncated)
         reported = done * jnp.isfinite(out.episode_return)
-        return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0), out.blown_up)
+        return env_state, (tr, reported, jnp.where(reported > 0, out.episode_return, 0.0),
+                           reported * (steps_before + 1), out.blown_up)
 
-    env_state, (traj, done, returns, blown_up) = jax.lax.scan(step, ts.env_state,
-                                                              jax.random.split(k_steps, cfg.rollout_steps))
-    metrics = {"episodes": done.sum(), "return_sum": returns.sum(), "physics_resets": blown_up.sum()}
+    env_state, (traj, done, returns, lengths, blown_up) = jax.lax.scan(step, ts.env_state,
+                                                                       jax.random.split(k_steps, cfg.rollout_steps))
+    metrics = {"episodes": done.sum(), "return_sum": returns.sum(), "length_sum": lengths.sum(),
+               "physics_resets": blown_up.sum()}
     return env_state, reset_pool, traj, metrics
 
 
@@ -665,10 +667,11 @@ def train_chunk(lr: Learner, ts: TrainState) -> tuple[TrainState, dict]:
     cfg = lr.cfg
     first_iteration = ts.iteration
     ts, metrics = jax.lax.scan(functools.partial(train_iteration, lr), ts, jnp.arange(chunk_iterations(cfg)))
-    episodes, return_sum = metrics.pop("episodes").sum(), metrics.pop("return_sum").sum()
+    episodes, return_sum, length_sum = (metrics.pop(k).sum() for k in ("episodes", "return_sum", "length_sum"))
     physics_resets, nonfinite = metrics.pop("physics_resets").sum(), metrics.pop("nonfinite")
     metrics = jax.tree.map(jnp.mean, metrics)
     metrics["train_return"] = jnp.where(episodes > 0, return_sum / jnp.maximum(episodes, 1), jnp.nan)
+    metrics["train_length"] = jnp.where(episodes > 0, length_sum / jnp.maximum(episodes, 1), jnp.nan)
     metrics["physics_resets"] = physics_resets
     metrics.update(first_nonfinite(nonfinite, first_iteration))
     key, k_eval = jax.random.split(ts.key)  # drawn either way: evaluating never changes the training
@@ -1172,11 +1175,13 @@ def train(cfg: Config, log: Callable[[str], None] = log_line) -> list[dict]:
         eta = (cfg.num_evals - i - 1) * wall / (i + 1)
         num_resets = int(np.sum(metrics["physics_resets"]))
         resets = f" | physics resets {num_resets}" if num_resets else ""
-        length = np.mean(metrics["eval_length"])  # shown where evaluation episodes end early (a robot that falls)
-        ended = f" | eval length {length:.0f}" if length < cfg.episode_length else ""
+        # the mean episode lengths, shown where episodes end before the time limit (a robot that falls)
+        lengths = {k: np.mean(metrics[f"{k}_length"]) for k in ("eval", "train")}
+        ended = {k: f" | {k} length {v:.0f}" if v < cfg.episode_length else "" for k, v in lengths.items()}
         extra = "".join(f" | {k} {np.mean(metrics[k]):.3g}" for k in PROGRESS_METRICS)
         log(f"[{name} {cfg.env}] steps {env_steps:,} ({100 * (i + 1) // cfg.num_evals}%) | {sps:,.0f} steps/s | "
-            f"eval {np.mean(metrics['eval_return']):.1f}{ended} | train {np.mean(metrics['train_return']):.1f}{extra}"
+            f"eval {np.mean(metrics['eval_return']):.1f}{ended['eval']} | train {np.mean(metrics['train_return']):.1f}"
+            f"{ended['train']}{extra}"
             f"{resets} | ETA {eta:.0f} s")
     for _, close in sinks:
         close()

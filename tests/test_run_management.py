@@ -394,14 +394,17 @@ def test_resume_takes_a_run_directory_or_a_checkpoint_file(algo, full_run, tmp_p
 
 def test_checkpoints_every_n_log_points_and_at_the_end_and_the_curve_is_plotted(monkeypatch, tmp_path):
     """--checkpoint-every 2 over 3 log points writes at the 2nd and the 3rd (the end), the 2nd kept beside the newest
-    (--keep-checkpoints 2); --plot draws curve.png from the rows; the rows name --seed. Run-management text, the same in both files (a
+    (--keep-checkpoints 2); --plot draws curve.png from the rows; the rows name --seed; episodes that run to the time
+    limit (10) are 10 steps long, a length the progress line leaves out. Run-management text, the same in both files (a
     test checks it): PPO stands for both."""
     algo = ppo_jax
     monkeypatch.setattr(algo, "make_env", lambda name, *options: point_env(algo, lambda sim, nxt, action: nxt))
-    cfg = tiny(algo, tmp_path / "run", checkpoint_every=2, plot=True, num_eval_envs=2, seed=7)
+    cfg = tiny(algo, tmp_path / "run", checkpoint_every=2, plot=True, num_eval_envs=2, seed=7, episode_length=10)
     lines = []
     rows = algo.train(cfg, log=lines.append)
     assert [r["seed"] for r in rows] == [7, 7, 7]  # a single seed's rows carry --seed, not its index 0
+    assert [(r["eval_length"], r["train_length"]) for r in rows[1:]] == [(10.0, 10.0)] * 2  # the time limit:
+    assert not any("length" in line for line in lines if " steps/s " in line)  # not shown in the progress line
     assert sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("checkpoint")) == [
         "checkpoint.msgpack", f"checkpoint_{2 * 8 * 8 * 2:012d}.msgpack"]
     assert sum("checkpoint " in line for line in lines) == 2
@@ -650,22 +653,20 @@ def test_physics_blow_ups_are_counted_and_never_reach_the_update(algo, monkeypat
 
 
 @ALGOS
-@pytest.mark.parametrize("episode_length", [1000, 6])
-def test_progress_line_shows_the_evaluation_length_where_episodes_end_early(algo, episode_length, monkeypatch,
-                                                                             tmp_path):
-    """Every episode terminates at its 7th step: with a time limit of 1000 each progress line says "eval length 7",
-    as metrics.csv does; with a limit of 6 the episodes run to it and the line leaves the length out."""
+def test_progress_line_shows_the_episode_lengths_where_episodes_end_early(algo, monkeypatch, tmp_path):
+    """Every episode terminates at its 7th step (time limit 1000): each progress line says "eval length 7" and
+    "train length 7" (the training episodes that ended: those cut by the desynchronised clocks are not counted),
+    as metrics.csv does. Where episodes run to the time limit, the line leaves them out (the checkpoint test)."""
     def terminate_at_step_7(sim, nxt, action):
         return nxt.replace(done=(nxt.obs[0] >= 7).astype(jnp.float32))
     monkeypatch.setattr(algo, "make_env", lambda name, *options: point_env(algo, terminate_at_step_7))
-    cfg = tiny(algo, tmp_path, episode_length=episode_length, num_eval_envs=2)
+    cfg = tiny(algo, tmp_path, episode_length=1000, num_eval_envs=2)
     lines = []
     rows = algo.train(cfg, log=lines.append)
-    assert [r["eval_length"] for r in rows] == [min(7.0, episode_length)] * len(rows)
+    assert [(r["eval_length"], r["train_length"]) for r in rows] == [(7.0, 7.0)] * len(rows)
     progress = [line for line in lines if " steps/s " in line]
     assert len(progress) == cfg.num_evals
-    assert all(("eval length" in line) == (episode_length == 1000) for line in progress)
-    assert all(" | eval length 7 | " in line for line in progress if episode_length == 1000)
+    assert all(" | eval length 7 | " in line and " | train length 7 | " in line for line in progress)
 
 
 @ALGOS
