@@ -3,6 +3,8 @@ import math
 import os
 import sys
 
+import pytest
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
@@ -81,3 +83,21 @@ def test_reproduce_skips_parts_already_done_and_gives_every_algorithm_one_budget
     assert calls[-1][2] == ["--total-steps", "50"]  # a given budget is kept, not doubled
     with open(out) as f:
         assert sum(1 for _ in f) == 1 + 2 + 2 + 2 + 2 + 3 + 2  # one header, every run's rows appended
+
+
+def test_curves_draw_one_panel_per_column_and_skip_rows_without_a_value(tmp_path):
+    """plot_curves.py --y A --y B: a panel each; rows written before a metric existed (empty) are left out of its
+    panel, not read as 0; a column no row has is a one-line error."""
+    import matplotlib.pyplot as plt
+    import plot_curves
+    path = tmp_path / "metrics.csv"
+    path.write_text("env_steps,seed,eval_return,eval_length\n100,0,-3.5,\n200,0,-3.0,60\n300,0,-2.5,276\n")
+    assert [list(v) for v in plot_curves.load_curve(str(path), "env_steps", "eval_length")] == [
+        [200.0, 300.0], [60.0, 276.0], [0.0, 0.0]]
+    out = tmp_path / "curves.png"
+    plot_curves.main(["--run", f"TruDi={path}", "--y", "eval_return", "--y", "eval_length",
+                      "--floor", "eval_length=54=zero actions", "--out", str(out)])
+    image = plt.imread(out)
+    assert image.shape[1] > 1.8 * image.shape[0] and image[..., :3].std() > 0.01  # two panels side by side
+    with pytest.raises(SystemExit, match="has no column 'train_length'"):
+        plot_curves.main(["--run", f"TruDi={path}", "--y", "train_length", "--out", str(out)])
