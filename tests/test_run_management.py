@@ -109,8 +109,8 @@ def test_resumed_run_reproduces_uninterrupted_run_bit_exactly(kind, full_run, tm
     PPO, TruDi and the Gaussian actor with 2 seeds; the resumed run continues the same W&B run."""
     algo, overrides = KINDS[kind]
     cfg, reference = full_run(kind)
-    inits = []
-    fake_run = types.SimpleNamespace(id="run-abc123", log=lambda row, step: None, finish=lambda: None)
+    inits, logged = [], []
+    fake_run = types.SimpleNamespace(id="run-abc123", log=lambda row, step: logged.append(row), finish=lambda: None)
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw) or fake_run))
     interrupted = tiny(algo, tmp_path / "run", wandb=True, **overrides)
 
@@ -141,6 +141,11 @@ def test_resumed_run_reproduces_uninterrupted_run_bit_exactly(kind, full_run, tm
     _, b = algo.read_checkpoint(str(tmp_path / "run" / "checkpoint.msgpack"))
     assert a == b
     assert inits[0].get("id") is None and inits[1]["id"] == "run-abc123" and inits[1]["resume"] == "allow"
+    keys = {k for row in logged for k in row}  # W&B keys: each seed's under its own prefix where there are several
+    if cfg.num_seeds > 1:
+        assert {k.split("/")[0] for k in keys} == {"seed0", "seed1"} and "seed1/eval_return" in keys
+    else:
+        assert "eval_return" in keys and not any("/" in k for k in keys)
 
 
 def test_gaussian_actor_rows_are_finite_and_per_seed(full_run):
