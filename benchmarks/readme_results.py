@@ -106,7 +106,9 @@ def throughput_tables(folder: str) -> list[str]:
     lines = []
     for path in sorted(glob.glob(os.path.join(RESULTS, folder, "throughput*.json"))):
         with open(path) as f:
-            rows = json.load(f)
+            rows = [row for row in json.load(f) if not row.get("partial")]  # partial: cut short by a time limit
+        if not rows:
+            continue
         names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "trudi_plain", "trudi_gated", "trudi_gated_f32", "reppo",
                              "ppo_jax_rollout", "brax_rollout") if f"{n}_sps" in rows[0]]
         extra = rows[0]

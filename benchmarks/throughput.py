@@ -20,6 +20,9 @@ untimed warm-up block; then the runners are timed alternately, one block each pe
 (ppo_jax, brax_ppo, ppo_jax, brax_ppo, ...) for --repeats rounds, and the table shows the median.
 A block is --iterations PPO iterations of num_envs * rollout_steps environment steps each: one rollout,
 then num_epochs x num_minibatches gradient steps. Evaluation is not timed on either side.
+With --json the file is rewritten as the measurement goes: after each runner's warm-up and each round it holds
+the task's row so far, marked "partial": true (first block, compile time, the rounds' steps/s), so a run stopped by
+a time limit (a lent GPU's) keeps what it measured; benchmarks/readme_results.py leaves partial rows out.
 
 How each trainer is timed:
 * ppo_jax: `chunk` is AOT-compiled as in training (`jax.jit(over_seeds(chunk)).lower(ts).compile()`), with its
@@ -494,18 +497,27 @@ BASELINE = "brax_ppo"  # the ratio column is <runner>_sps / BASELINE_sps
 # ---------------------------------------------------------------------------------------------
 # Measurement: compile all, alternate blocks, report medians.
 # ---------------------------------------------------------------------------------------------
-def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print) -> dict:
-    """One result row for a task: median steps/s and compile seconds of every runner."""
-    runners = {}
+def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print,
+            save: Callable[[dict], None] = lambda partial: None) -> dict:
+    """One result row for a task: median steps/s and compile seconds of every runner. After each runner is ready
+    and after each round, save(partial row) gets what is measured so far (a run cut short by a time limit, as on
+    a lent GPU, keeps it)."""
+    runners, partial = {}, {"env": env_name}
     for name in bench.runners:
         runners[name] = RUNNERS[name](bench, env_name)
         log(f"[{env_name}] {name}: ready (first block {runners[name].first_block_s:.1f} s)")
+        partial |= {f"{name}_first_block_s": runners[name].first_block_s, f"{name}_compile_s": runners[name].compile_s,
+                    f"{name}_steps_per_block": runners[name].steps_per_block, f"{name}_sps_rounds": []}
+        partial |= {f"{name}_{key}": value for key, value in runners[name].extra.items()}
+        save(partial)
     seconds = {name: [] for name in runners}
     for round_ in range(bench.repeats):
         for name, runner in runners.items():
             seconds[name].append(runner.run_block())
         log(f"[{env_name}] round {round_ + 1}/{bench.repeats}: " + ", ".join(
             f"{name} {runners[name].steps_per_block / s[-1]:,.0f} steps/s" for name, s in seconds.items()))
+        save(partial | {f"{name}_sps_rounds": [runners[name].steps_per_block / t for t in s]
+                        for name, s in seconds.items()})
     row = {"env": env_name}
     for name, runner in runners.items():
         block_s = statistics.median(seconds[name])
@@ -601,15 +613,24 @@ def main(argv: list[str]) -> list[dict]:
                     "policy_hidden": list(bench.policy_hidden), "value_hidden": list(bench.value_hidden),
                     "paper_networks": bench.paper_networks,
                     "steps_per_block": bench.iterations * bench.num_envs * bench.rollout_steps}
-    if bench.flops_only:
-        rows = [count_only(bench, name) | context for name in bench.envs]
-    else:
-        rows = [measure(bench, name) | context for name in bench.envs]
+    rows = []
+
+    def write(rows):
+        if bench.json:
+            with open(bench.json + ".tmp", "w") as f:
+                json.dump(rows, f, indent=2)
+            os.replace(bench.json + ".tmp", bench.json)
+
+    for name in bench.envs:  # the JSON holds the finished rows and, marked "partial", what the current one has so far
+        if bench.flops_only:
+            rows.append(count_only(bench, name) | context)
+        else:
+            rows.append(measure(bench, name, save=lambda partial: write(rows + [partial | context | {"partial": True}]))
+                        | context)
+        write(rows)
+    if not bench.flops_only:
         print(markdown_table(rows))
         print(split_table(rows))
-    if bench.json:
-        with open(bench.json, "w") as f:
-            json.dump(rows, f, indent=2)
     return rows
 
 

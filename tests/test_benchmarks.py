@@ -101,3 +101,78 @@ def test_curves_draw_one_panel_per_column_and_skip_rows_without_a_value(tmp_path
     assert image.shape[1] > 1.8 * image.shape[0] and image[..., :3].std() > 0.01  # two panels side by side
     with pytest.raises(SystemExit, match="has no column 'train_length'"):
         plot_curves.main(["--run", f"TruDi={path}", "--y", "train_length", "--out", str(out)])
+
+
+def test_throughput_json_keeps_what_a_run_cut_short_measured(tmp_path, monkeypatch):
+    """A GPU part stopped by its time limit: the JSON holds the finished task and, marked partial, the next task's
+    warm-ups and finished rounds; the README tables leave the partial row out."""
+    import readme_results
+    import throughput
+    blocks = {"n": 0}
+
+    def fake(bench, env_name):
+        def run_block():
+            blocks["n"] += 1
+            if blocks["n"] == 2 * 2 + 2 + 1:  # task A: 2 rounds x 2 runners; task B: round 1, then the limit
+                raise KeyboardInterrupt
+            return 0.5
+        return throughput.Runner(1.0, 2.0, run_block, lambda: {}, 100)
+    monkeypatch.setitem(throughput.RUNNERS, "ppo_jax", fake)
+    monkeypatch.setitem(throughput.RUNNERS, "brax_ppo", fake)
+    path = tmp_path / "gpu" / "throughput_cut.json"
+    path.parent.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        throughput.main(["--envs", "A", "B", "--runners", "ppo_jax", "brax_ppo", "--repeats", "2", "--no-flops",
+                         "--json", str(path)])
+    import json
+    rows = json.loads(path.read_text())
+    assert [r["env"] for r in rows] == ["A", "B"] and not rows[0].get("partial") and rows[1]["partial"]
+    assert rows[0]["ppo_jax_sps"] == 200 and rows[0]["ratio"] == 1.0
+    assert rows[1]["ppo_jax_sps_rounds"] == [200] and rows[1]["brax_ppo_sps_rounds"] == [200]
+    assert rows[1]["ppo_jax_compile_s"] == 1.0 and "ppo_jax_sps" not in rows[1] and "command" in rows[1]
+    monkeypatch.setattr(readme_results, "RESULTS", str(tmp_path))
+    table = "\n".join(readme_results.throughput_tables("gpu"))
+    assert "| A | 200 | 200 |" in table and "| B |" not in table
+
+
+def test_gpu_check_commands_parse_and_write_under_out(tmp_path):
+    """benchmarks/gpu_check.sh, both parts, with python3 and timeout replaced by recorders: every command it would
+    run on a lent GPU parses with the current flags (a typo would waste the machine), names a known task and
+    runner, writes under $OUT, and a part's time limits add up to at most 8 minutes."""
+    import json
+    import subprocess
+    import throughput
+    import trudi_jax
+    from mujoco_playground import registry
+    stubs, record = tmp_path / "bin", tmp_path / "commands.jsonl"
+    stubs.mkdir()
+    (stubs / "python3").write_text(  # `python3 -c ...` (the imports, machine.txt) runs; anything else is recorded
+        f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'
+        f'exec {sys.executable} -c "import json, sys; open(\'{record}\', \'a\').write(json.dumps(sys.argv[1:]) + \'\\\\n\')" "$@"\n')
+    (stubs / "timeout").write_text(f'#!/bin/sh\necho "$1" >> {tmp_path}/limits_$PART\nshift\nexec "$@"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    out = tmp_path / "out"
+    for part in ("speed", "humanoid"):
+        env = os.environ | {"PATH": f"{stubs}:{os.environ['PATH']}", "OUT": str(out), "PART": part}
+        done = subprocess.run(["bash", os.path.join(REPO_ROOT, "benchmarks", "gpu_check.sh"), part], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        limits = [int(x) for x in (tmp_path / f"limits_{part}").read_text().split()]
+        assert len(limits) >= 2 and sum(limits) <= 8 * 60, (part, limits)
+    commands = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(commands) == 4
+    for argv in commands:
+        script, args = argv[0], argv[1:]
+        if script == "trudi_jax.py":
+            cfg = trudi_jax.parse_config(args)
+            trudi_jax.validate(cfg)
+            assert cfg.preset == "paper" and cfg.env in registry.ALL_ENVS
+            assert os.path.commonpath([cfg.out_dir, str(out)]) == str(out)
+        else:
+            assert script == "benchmarks/throughput.py"
+            bench = throughput.parse_bench(args)
+            assert bench.preset == "paper" and set(bench.runners) <= set(throughput.RUNNERS)
+            assert all(e in registry.ALL_ENVS for e in bench.envs)
+            assert os.path.dirname(bench.json) == str(out)
+    assert (out / "machine.txt").exists()

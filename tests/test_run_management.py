@@ -398,6 +398,27 @@ def test_resume_takes_a_run_directory_or_a_checkpoint_file(algo, full_run, tmp_p
         algo.run_directory(algo.parse_config(["--resume", older, "--out-dir", cfg.out_dir + "/"]), "x")
 
 
+def test_older_checkpoint_continues_in_a_new_directory_as_the_original_run_did(full_run, tmp_path):
+    """--resume DIR/checkpoint_<steps>.msgpack --out-dir NEW trains on from that point in NEW: the same rows and the
+    same final train state as the uninterrupted run, and DIR untouched. Run-management text, the same in both files
+    (a test checks it): PPO stands for both."""
+    algo = ppo_jax
+    cfg, reference = full_run(algo)
+    before = {p: open(os.path.join(cfg.out_dir, p), "rb").read() for p in os.listdir(cfg.out_dir)}
+    older = os.path.join(cfg.out_dir, "checkpoint_000000000256.msgpack")
+    lines = []
+    rows = algo.train(algo.parse_config(["--resume", older, "--out-dir", str(tmp_path / "fork")]), log=lines.append)
+    assert any(f"resuming {older} after 256 env steps" in line for line in lines)
+    assert len([line for line in lines if " steps/s " in line]) == 1  # only the third log point trained
+    assert_rows_equal(rows, reference)
+    with open(tmp_path / "fork" / "metrics.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(reference)
+    _, a = algo.read_checkpoint(os.path.join(cfg.out_dir, "checkpoint.msgpack"))
+    _, b = algo.read_checkpoint(str(tmp_path / "fork" / "checkpoint.msgpack"))
+    assert a == b
+    assert {p: open(os.path.join(cfg.out_dir, p), "rb").read() for p in os.listdir(cfg.out_dir)} == before
+
+
 def test_checkpoints_every_n_log_points_and_at_the_end_and_the_curve_is_plotted(monkeypatch, tmp_path):
     """--checkpoint-every 2 over 3 log points writes at the 2nd and the 3rd (the end), the 2nd kept beside the newest
     (--keep-checkpoints 2); --plot draws curve.png from the rows; the rows name --seed; episodes that run to the time
