@@ -109,7 +109,7 @@ def throughput_tables(folder: str) -> list[str]:
             rows = [row for row in json.load(f) if not row.get("partial")]  # partial: cut short by a time limit
         if not rows:
             continue
-        names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "trudi_plain", "trudi_gated", "trudi_gated_f32", "reppo",
+        names = [n for n in ("ppo_jax", "brax_ppo", "trudi", "trudi_plain", "trudi_gated", "trudi_gated_f32", "trudi_k1", "reppo",
                              "ppo_jax_rollout", "brax_rollout") if f"{n}_sps" in rows[0]]
         extra = rows[0]
         if extra.get("preset") in ("paper", "cpu"):
@@ -132,7 +132,7 @@ def throughput_tables(folder: str) -> list[str]:
         if "trudi_time_per_step_vs_reppo" in rows[0]:
             ratios.append(("trudi_time_per_step_vs_reppo", "TruDi time per step / REPPO's"))
         for variant, label in (("plain", "plain gradient"), ("gated", "gated gradient"),
-                               ("gated_f32", "gated gradient, float32 gates")):
+                               ("gated_f32", "gated gradient, float32 gates"), ("k1", "K = 1")):
             if f"trudi_{variant}_time_per_step_vs_reppo" in rows[0]:
                 ratios.append((f"trudi_{variant}_time_per_step_vs_reppo", f"TruDi, {label}, time per step / REPPO's"))
         gates = [(f"{n}_gate_frac_blocks", n) for n in ("trudi", "trudi_gated", "trudi_gated_f32")

@@ -89,7 +89,7 @@ class Bench:
     json: str | None = None  # also write the results to this file
     runners: tuple[str, ...] = ("ppo_jax", "brax_ppo")  # which of: ppo_jax brax_ppo trudi reppo ppo_jax_rollout
     # brax_rollout (the rollout alone, so update = whole - rollout) trudi_plain trudi_gated trudi_gated_f32 (TruDi with
-    # --gate-chunk 0, 256, 256 --gate-bf16 False)
+    # --gate-chunk 0, 256, 256 --gate-bf16 False) trudi_k1 (TruDi with --num-old-chains 1)
     num_diffusion_steps: int = trudi_jax.Config.num_diffusion_steps  # TruDi's N
     num_old_chains: int | None = None  # TruDi's K (None: the preset's; the cpu preset's with the bench shape)
     kl_direction: Literal["forward", "reverse"] = "forward"  # TruDi's trust-region KL (trudi_jax --kl-direction)
@@ -292,6 +292,13 @@ def trudi_gated_f32_runner(bench: Bench, env_name: str) -> Runner:
                                                         gate_chunk=trudi_jax.GATE_CHUNK, gate_bf16=False), bench)
 
 
+def trudi_k1_runner(bench: Bench, env_name: str) -> Runner:
+    """TruDi with one old chain per state, the rollout's own (--num-old-chains 1, the cpu preset's K): the trust
+    region's cheapest sampled form, to time beside the preset's K."""
+    return jitted_runner(trudi_jax, dataclasses.replace(trudi_config(bench, env_name, "diffusion"), num_old_chains=1),
+                         bench)
+
+
 def jitted_runner(module, cfg, bench: Bench) -> Runner:
     """An algorithm file's AOT-compiled training chunk (ppo_jax or trudi_jax), evaluation removed."""
     env = module.make_env(cfg.env)
@@ -489,6 +496,7 @@ RUNNERS: dict[str, Callable[[Bench, str], Runner]] = {"ppo_jax": ppo_jax_runner,
                                                       "trudi_plain": trudi_plain_runner,
                                                       "trudi_gated": trudi_gated_runner,
                                                       "trudi_gated_f32": trudi_gated_f32_runner,
+                                                      "trudi_k1": trudi_k1_runner,
                                                       "ppo_jax_rollout": ppo_jax_rollout_runner,
                                                       "brax_rollout": brax_rollout_runner}
 BASELINE = "brax_ppo"  # the ratio column is <runner>_sps / BASELINE_sps
@@ -527,7 +535,7 @@ def measure(bench: Bench, env_name: str, log: Callable[[str], None] = print,
         row[f"{name}_sps_rounds"] = [runner.steps_per_block / s for s in seconds[name]]
         row.update({f"{name}_{key}": value for key, value in runner.extra.items()})
         row.update({f"{name}_{key}": value for key, value in runner.close().items()})
-    for variant in ("trudi_plain", "trudi_gated", "trudi_gated_f32"):
+    for variant in ("trudi_plain", "trudi_gated", "trudi_gated_f32", "trudi_k1"):
         if variant in runners and "reppo" in runners:
             row[f"{variant}_time_per_step_vs_reppo"] = row["reppo_sps"] / row[f"{variant}_sps"]
     if "trudi" in runners and "reppo" in runners:
@@ -552,7 +560,7 @@ def markdown_table(rows: list[dict]) -> str:
     if "trudi_sps" in rows[0] and "reppo_sps" in rows[0]:
         ratios["trudi_time_per_step_vs_reppo"] = "TruDi time per step / REPPO's"
     for variant, label in (("trudi_plain", "plain gradient"), ("trudi_gated", "gated gradient"),
-                           ("trudi_gated_f32", "gated gradient, float32 gates")):
+                           ("trudi_gated_f32", "gated gradient, float32 gates"), ("trudi_k1", "K = 1")):
         if f"{variant}_time_per_step_vs_reppo" in rows[0]:
             ratios[f"{variant}_time_per_step_vs_reppo"] = f"TruDi ({label}) time per step / REPPO's"
     if "rollout_ratio" in rows[0]:
