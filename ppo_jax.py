@@ -4,7 +4,8 @@
     python ppo_jax.py --env humanoid --preset paper           # Brax task, tuned Brax settings
 
 The whole training (environment steps, GAE, epochs x minibatches, evaluation) is one jitted
-function built from `jax.lax.scan`s; the host only receives metrics once per chunk of iterations.
+function built from `jax.lax.scan`s (the evaluation a `jax.lax.while_loop` that stops once all its episodes
+have ended); the host only receives metrics once per chunk of iterations.
 `--num-seeds K` trains K independent seeds in the same compiled program (vmap).
 
 Choices worth knowing (the same as in trudi_jax.py):

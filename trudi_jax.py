@@ -8,8 +8,9 @@ Every iteration collects a fresh batch with the current policy (no replay buffer
 distributional critic on soft lambda-returns, then improves the policy with pathwise gradients
 through the whole denoising chain, inside a trust region on the KL between the entire denoising
 trajectories of the old and the new policy (arXiv 2606.15260; skeleton of REPPO, arXiv 2507.11019).
-Environment steps, targets, epochs x minibatches and evaluation are one jitted `jax.lax.scan`
-program; the host receives metrics once per chunk of iterations. `--num-seeds K` vmaps K seeds.
+Environment steps, targets, epochs x minibatches and evaluation are one jitted program of `jax.lax.scan`s
+(the evaluation a `jax.lax.while_loop` that stops once all its episodes have ended); the host receives
+metrics once per chunk of iterations. `--num-seeds K` vmaps K seeds.
 
 Choices this file makes where the specification leaves them open:
 * Time limits are bootstrapped from the true final observation; terminations are not. Auto-reset

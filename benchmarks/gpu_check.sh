@@ -4,7 +4,8 @@
 #   benchmarks/gpu_check.sh speed     (default) throughput at the paper presets' true sizes on HumanoidWalk, with each
 #     compiled program's peak memory (FLOPs per step are counted on CPU: --no-flops here):
 #     1. TruDi (1024 envs x 32 steps, 16 minibatches, 8 epochs, 512-wide networks, N = 8, K = 4) against REPPO (the
-#        same with the Gaussian actor), timed alternately (2026-12-04: 82 s + 78 s compiling, 185 s for the step);
+#        same with the Gaussian actor) and TruDi at K = 1 (runner trudi_k1, compiled last), timed alternately
+#        (2026-12-04, TruDi and REPPO only: 82 s + 78 s compiling, 185 s for the step);
 #     2. ppo_jax against Brax's PPO at Playground's tuned DM Control settings (2048 envs x 480 steps, 32 minibatches,
 #        16 epochs: about 1M env steps per iteration).
 #   benchmarks/gpu_check.sh humanoid  TruDi runs at the paper preset: G1JoystickFlatTerrain (privileged critic,

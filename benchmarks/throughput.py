@@ -220,7 +220,8 @@ def flop_count(module, cfg) -> dict:
         targets = cost(targets_fn, ts, traj, key)
         minibatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((T * B // M,) + x.shape[2:], x.dtype), batch)
         params = jax.eval_shape(lambda ts: module.Params(ts.actor_params, ts.critic_params, ts.actor_opt_state,
-                                                         ts.critic_opt_state, ts.actor_params["policy"]), ts)
+                                                         ts.critic_opt_state, ts.actor_params["policy"],
+                                                         jnp.array(False)), ts)
         update = cost(lambda p, mb, k: module.update_minibatch(lr, p, (mb, k)), params, minibatch, key)
     else:
         policy_step = cost(lambda ts, o, k: lr.policy.apply(ts.params["policy"], o), ts, obs, key)

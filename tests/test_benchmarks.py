@@ -176,3 +176,21 @@ def test_gpu_check_commands_parse_and_write_under_out(tmp_path):
             assert all(e in registry.ALL_ENVS for e in bench.envs)
             assert os.path.dirname(bench.json) == str(out)
     assert (out / "machine.txt").exists()
+
+
+def test_flop_count_of_trudi_grows_with_its_old_chains_and_exceeds_reppos():
+    """throughput.py's FLOPs per env step (XLA's cost analysis of each piece of one iteration), at tiny sizes: the
+    update's count grows with K (each old chain adds kernel evaluations), TruDi's diffusion actor costs more than
+    REPPO's Gaussian one, and the pieces add up to the total."""
+    import dataclasses
+    import throughput
+    import trudi_jax
+    cfg = trudi_jax.Config(env="CartpoleBalance", num_envs=8, rollout_steps=4, num_minibatches=2, num_epochs=1,
+                           actor_hidden=(16,), critic_hidden=(16,), num_bins=11, num_diffusion_steps=2,
+                           num_old_chains=1, episode_length=50)
+    k1 = throughput.flop_count(trudi_jax, cfg)
+    k2 = throughput.flop_count(trudi_jax, dataclasses.replace(cfg, num_old_chains=2))
+    reppo = throughput.flop_count(trudi_jax, dataclasses.replace(cfg, actor="gaussian"))
+    assert k2["update_minibatch_flops"] > k1["update_minibatch_flops"] > reppo["update_minibatch_flops"] > 0
+    assert k1["flops_per_step"] > reppo["flops_per_step"]
+    assert math.isclose(sum(k1["flops_per_step_pieces"].values()), k1["flops_per_step"])
