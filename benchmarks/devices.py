@@ -8,6 +8,7 @@ before JAX starts); the environments are split across the devices, parameters re
 and the largest difference of every logged metric between the runs.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -22,11 +23,19 @@ RUN = """
 import json, sys
 import jax
 import {algo}
-cfg = {algo}.config_from_dict(json.loads(sys.argv[1]))
+sys.path.insert(0, "benchmarks")
+import devices
+cfg = devices.make_config({algo}, json.loads(sys.argv[1]))
 rows = {algo}.train(cfg, log=lambda line: print(line, file=sys.stderr))
 print(json.dumps({{"devices": jax.device_count(), "rows": rows}}))
 """
 TIMING = ("wall_s", "steps_per_sec", "env_steps", "seed")
+
+
+def make_config(module, overrides: dict):
+    """The cpu preset for overrides["env"] with the overrides; the run writes into its own out_dir, replacing
+    what an earlier measurement left there."""
+    return dataclasses.replace(module.preset_config("cpu", overrides["env"]), overwrite=True, **overrides)
 
 
 def run(algo: str, devices: int, config: dict) -> dict:
@@ -54,7 +63,7 @@ def main():
         batch = 64 * 32  # cpu preset: 64 envs x 32 steps
         config = {"env": args.env, "total_steps": args.iterations * batch, "num_evals": args.num_evals, "plot": False,
                   "out_dir": f"/tmp/devices_{algo}"}
-        runs = {n: run(algo, n, config) for n in args.devices}
+        runs = {n: run(algo, n, config | {"out_dir": f"/tmp/devices_{algo}_{n}"}) for n in args.devices}
         base = runs[args.devices[0]]["rows"]
         for n, result in runs.items():
             rows = result["rows"]

@@ -65,6 +65,7 @@ def pieces(lr: T.Learner, params: T.Params, mb, key) -> dict:
     cfg, actor, critic = lr.cfg, lr.actor, lr.critic
     policy = params.actor["policy"]
     actor_grad = T.gated_actor_grad if T.gate_chunk(cfg) else jax.grad(T.actor_loss, has_aux=True)  # as the update
+    gate = {"gate_actor": lr.gate_actor} if T.gate_chunk(cfg) else {}  # its gates' pass too (bfloat16 where default)
 
     def sample_loss(p):
         action, log_prob, _ = actor.sample(p, mb.obs, key)
@@ -82,7 +83,7 @@ def pieces(lr: T.Learner, params: T.Params, mb, key) -> dict:
         "update": (lambda p, mb, k: T.update_minibatch(lr, p, (mb, k)), (params, mb, key)),
         "critic_grad": (lambda c, mb: jax.grad(T.critic_loss, has_aux=True)(c, mb, critic, cfg), (params.critic, mb)),
         "actor_grad": (lambda a, mb, k: actor_grad(
-            a, params.old_policy, params.critic, mb, k, actor, critic, cfg, lr.env.action_size),
+            a, params.old_policy, params.critic, mb, k, actor, critic, cfg, lr.env.action_size, **gate),
             (params.actor, mb, key)),
         "plain_grad": (lambda a, mb, k: jax.grad(T.actor_loss, has_aux=True)(  # actor_grad without the gates' skips
             a, params.old_policy, params.critic, mb, k, actor, critic, cfg, lr.env.action_size),

@@ -194,3 +194,27 @@ def test_flop_count_of_trudi_grows_with_its_old_chains_and_exceeds_reppos():
     assert k2["update_minibatch_flops"] > k1["update_minibatch_flops"] > reppo["update_minibatch_flops"] > 0
     assert k1["flops_per_step"] > reppo["flops_per_step"]
     assert math.isclose(sum(k1["flops_per_step_pieces"].values()), k1["flops_per_step"])
+
+
+@pytest.mark.parametrize("name", ["ppo_jax", "trudi_jax"])
+def test_checkpoint_and_device_benchmarks_build_what_the_files_accept(name, tmp_path):
+    """benchmarks/checkpoint_io.py writes a header that read_checkpoint verifies, and benchmarks/devices.py a config
+    that train takes (both were refused for a while: fields the algorithm files came to require)."""
+    import importlib
+
+    import numpy as np
+
+    import checkpoint_io
+    import devices
+    module = importlib.import_module(name)
+    cfg = module.preset_config("cpu", "CartpoleBalance")
+    path = str(tmp_path / "checkpoint.msgpack")
+    module.save_checkpoint(path, {"w": np.arange(3.0)}, checkpoint_io.header(module, cfg))
+    meta, _ = module.read_checkpoint(path)
+    assert module.config_from_dict(meta["config"], path) == cfg
+    overrides = {"env": "CartpoleBalance", "total_steps": 4096, "num_evals": 2, "plot": False,
+                 "out_dir": str(tmp_path / "run")}
+    run_cfg = devices.make_config(module, overrides)
+    module.validate(run_cfg)
+    assert run_cfg.overwrite and run_cfg.num_envs == cfg.num_envs and run_cfg.total_steps == 4096
+    assert module.config_from_dict(module.config_dict(run_cfg), "devices.py") == run_cfg
