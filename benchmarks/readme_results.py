@@ -198,7 +198,9 @@ def run_management() -> list[str]:
         log = png[:-4] + "_eval_only.log"
         if os.path.exists(log):
             with open(log) as f:
-                lines += ["```", f.read().strip(), "```", ""]
+                lines += ["```", f.read().strip(), "```", "",
+                          "(the output of the date in its first line; since 2026-12-07 the line also gives the "
+                          "episodes' mean length, `over 100 episodes of L steps on average`)", ""]
     return lines
 
 
