@@ -9,7 +9,8 @@
 #     2. ppo_jax against Brax's PPO at Playground's tuned DM Control settings (2048 envs x 480 steps, 32 minibatches,
 #        16 epochs: about 1M env steps per iteration).
 #   benchmarks/gpu_check.sh humanoid  TruDi runs at the paper preset: G1JoystickFlatTerrain (privileged critic,
-#     randomised robots; as many 1M-step log points as 5 minutes allow) and HumanoidWalk (1.5M steps): compile
+#     randomised robots; as many 1M-step log points as 4.5 minutes allow) and HumanoidWalk (1M steps, 2 log points; a first
+#     version's 3M-step run was still compiling after 113 s on the H200, so it gets 200 s): compile
 #     time, env steps/s, the returns.
 # The speed runs time blocks of one iteration (--iterations 1; 31, one reset-pool renewal period, would not fit), so
 # every timed block renews the whole reset pool, which training does once per 31 iterations: on HumanoidWalk a reset
@@ -52,10 +53,10 @@ if [ "$which" = humanoid ]; then
   fi
   # G1 runs until its time limit: REPPO's released G1 curves leave their start only after 10.5M steps, so a log
   # point per 1M steps (metrics.csv is rewritten at each) shows how far the limit gets and whether the return moves.
-  part trudi_paper_G1JoystickFlatTerrain 300 python3 trudi_jax.py --env G1JoystickFlatTerrain --preset paper \
+  part trudi_paper_G1JoystickFlatTerrain 270 python3 trudi_jax.py --env G1JoystickFlatTerrain --preset paper \
     --total-steps 40000000 --num-evals 40 --out-dir "$dest/trudi_paper_G1JoystickFlatTerrain" --overwrite
-  part trudi_paper_HumanoidWalk_short 150 python3 trudi_jax.py --env HumanoidWalk --preset paper \
-    --total-steps 1500000 --num-evals 3 --out-dir "$dest/trudi_paper_HumanoidWalk_short" --overwrite
+  part trudi_paper_HumanoidWalk_short 200 python3 trudi_jax.py --env HumanoidWalk --preset paper \
+    --total-steps 1000000 --num-evals 2 --out-dir "$dest/trudi_paper_HumanoidWalk_short" --overwrite
   exit 0
 fi
 [ "$which" = speed ] || { echo "error: unknown part $which (speed or humanoid)" >&2; exit 1; }
