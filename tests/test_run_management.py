@@ -100,6 +100,17 @@ def assert_rows_equal(a, b):
             assert x[k] == y[k] or (math.isnan(x[k]) and math.isnan(y[k])), (k, x[k], y[k])
 
 
+def assert_ends_as_reference(algo, cfg, reference, run_dir, rows):
+    """A continued run in run_dir: the reference's rows (returned and in metrics.csv) and, array by array, its
+    final train state."""
+    assert_rows_equal(rows, reference)
+    with open(os.path.join(run_dir, "metrics.csv")) as f:
+        assert len(list(csv.DictReader(f))) == len(reference)
+    _, a = algo.read_checkpoint(os.path.join(cfg.out_dir, "checkpoint.msgpack"))
+    _, b = algo.read_checkpoint(os.path.join(run_dir, "checkpoint.msgpack"))
+    assert a == b
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoints and resume
 # ---------------------------------------------------------------------------------------------
@@ -133,13 +144,7 @@ def test_resumed_run_reproduces_uninterrupted_run_bit_exactly(kind, full_run, tm
     assert len(progress) == 1 and f"steps {3 * 8 * 8 * 2:,} " in progress[0]
     assert rows[:2 * cfg.num_seeds] == meta["rows"]  # the rows before the interruption, timings included
     assert len(rows) == len(reference) == 3 * cfg.num_seeds
-    assert_rows_equal(rows, reference)
-    with open(tmp_path / "run" / "metrics.csv") as f:
-        assert len(list(csv.DictReader(f))) == len(reference)
-    # and the final train states are identical, array by array
-    _, a = algo.read_checkpoint(os.path.join(cfg.out_dir, "checkpoint.msgpack"))
-    _, b = algo.read_checkpoint(str(tmp_path / "run" / "checkpoint.msgpack"))
-    assert a == b
+    assert_ends_as_reference(algo, cfg, reference, str(tmp_path / "run"), rows)
     assert inits[0].get("id") is None and inits[1]["id"] == "run-abc123" and inits[1]["resume"] == "allow"
     keys = {k for row in logged for k in row}  # W&B keys: each seed's under its own prefix where there are several
     if cfg.num_seeds > 1:
@@ -410,12 +415,7 @@ def test_older_checkpoint_continues_in_a_new_directory_as_the_original_run_did(f
     rows = algo.train(algo.parse_config(["--resume", older, "--out-dir", str(tmp_path / "fork")]), log=lines.append)
     assert any(f"resuming {older} after 256 env steps" in line for line in lines)
     assert len([line for line in lines if " steps/s " in line]) == 1  # only the third log point trained
-    assert_rows_equal(rows, reference)
-    with open(tmp_path / "fork" / "metrics.csv") as f:
-        assert len(list(csv.DictReader(f))) == len(reference)
-    _, a = algo.read_checkpoint(os.path.join(cfg.out_dir, "checkpoint.msgpack"))
-    _, b = algo.read_checkpoint(str(tmp_path / "fork" / "checkpoint.msgpack"))
-    assert a == b
+    assert_ends_as_reference(algo, cfg, reference, str(tmp_path / "fork"), rows)
     assert {p: open(os.path.join(cfg.out_dir, p), "rb").read() for p in os.listdir(cfg.out_dir)} == before
 
 
