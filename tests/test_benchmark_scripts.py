@@ -78,7 +78,7 @@ def test_seed_axis_times_the_four_layouts_it_names(tmp_path, monkeypatch):
 def test_bf16_matmul_gradient_error_is_small_and_bf16_gate_c_grows_with_the_parameter_distance(tmp_path, monkeypatch):
     """bf16_matmul.py: bfloat16 products with float32 accumulation change a 3 x 512 MLP's gradient by well under
     5 % per layer. bf16_gate.py: the gates' c(s) grows with the distance between new and old parameters (the scales),
-    its bfloat16 error stays a small fraction of c, and the counts of closed gates are fractions of the states."""
+    its bfloat16 error stays a small fraction of c (smaller where c is larger), and the counts of closed gates are fractions of the states."""
     out = tmp_path / "matmul.json"
     run_script("bf16_matmul.py", ["--rows", "16", "--json", str(out)], monkeypatch)
     res = read(out)
@@ -92,21 +92,22 @@ def test_bf16_matmul_gradient_error_is_small_and_bf16_gate_c_grows_with_the_para
     small, large = res["errors"]
     assert res["K"] == 4 and res["N"] == 8 and res["actor_hidden"] == [512, 512, 512]  # the paper preset's actor
     assert 0 < small["c_median"] < large["c_median"]
-    assert all(0 <= row["closed_frac"] <= 1 and row["rel_err_median"] < 0.05 and 0 <= row["gate_flips"] <= 32
-               for row in res["errors"])
+    assert all(0 <= row["closed_frac"] <= 1 and 0 <= row["gate_flips"] <= 32 for row in res["errors"])
+    # relative error of c: 2.5 % and 0.19 % median at these scales in the committed run (2,048 states)
+    assert small["rel_err_median"] < 0.1 and large["rel_err_median"] < 0.02
     assert res["ms_f32"] > 0 and res["ms_bf16"] > 0
 
 
 def test_profile_update_counts_more_flops_for_trudi_than_reppo(tmp_path):
-    """profile_update.py at the cpu preset with tiny networks and batch (flags after --), the whole update only: both runners timed and FLOP-counted, TruDi's
+    """profile_update.py at the cpu preset with tiny networks, batch and chain (flags after --), the whole update only: both runners timed and FLOP-counted, TruDi's
     update needs more FLOPs than REPPO's (its chain and trust region), and the ratios it reports are those of the
     rows it wrote."""
     import profile_update
     out = tmp_path / "profile.json"
-    res = profile_update.main(["--env", "CartpoleBalance", "--preset", "cpu", "--repeats", "1", "--warm-steps", "1",
+    res = profile_update.main(["--env", "CartpoleBalance", "--preset", "cpu", "--repeats", "1", "--warm-steps", "0",
                                "--pieces", "update", "--json", str(out), "--", "--num-envs", "8", "--rollout-steps",
                                "4", "--num-minibatches", "2", "--actor-hidden", "16", "16", "--critic-hidden", "16",
-                               "--num-bins", "11"])
+                               "--num-bins", "11", "--num-diffusion-steps", "2"])
     assert read(out) == json.loads(json.dumps(res))
     t, r = res["trudi"]["update"], res["reppo"]["update"]
     assert t["seconds"] > 0 and r["seconds"] > 0 and t["flops"] > r["flops"] > 0
