@@ -70,15 +70,16 @@ def test_seed_axis_times_the_four_layouts_it_names(tmp_path, monkeypatch):
     assert [(r["seeds"], r["envs_per_seed"], r["seed_vmap"]) for r in rows] == [
         (1, 2, False), (1, 2, True), (1, 6, False), (3, 2, True)]
     assert all(r["steps_per_sec"] > 0 and len(r["steps_per_sec_rounds"]) == 1 for r in rows)
+    monkeypatch.setattr(sys, "argv", ["seed_axis.py", "--repeats", "0"])
     with pytest.raises(SystemExit, match="must be positive"):
-        monkeypatch.setattr(sys, "argv", ["seed_axis.py", "--repeats", "0"])
         seed_axis.main()
 
 
 def test_bf16_matmul_gradient_error_is_small_and_bf16_gate_c_grows_with_the_parameter_distance(tmp_path, monkeypatch):
     """bf16_matmul.py: bfloat16 products with float32 accumulation change a 3 x 512 MLP's gradient by well under
     5 % per layer. bf16_gate.py: the gates' c(s) grows with the distance between new and old parameters (the scales),
-    its bfloat16 error stays a small fraction of c (smaller where c is larger), and the counts of closed gates are fractions of the states."""
+    its bfloat16 error stays a small fraction of c (smaller where c is larger), and the counts of closed gates are
+    fractions of the states."""
     out = tmp_path / "matmul.json"
     run_script("bf16_matmul.py", ["--rows", "16", "--json", str(out)], monkeypatch)
     res = read(out)
@@ -99,9 +100,9 @@ def test_bf16_matmul_gradient_error_is_small_and_bf16_gate_c_grows_with_the_para
 
 
 def test_profile_update_counts_more_flops_for_trudi_than_reppo(tmp_path):
-    """profile_update.py at the cpu preset with tiny networks, batch and chain (flags after --), the whole update only: both runners timed and FLOP-counted, TruDi's
-    update needs more FLOPs than REPPO's (its chain and trust region), and the ratios it reports are those of the
-    rows it wrote."""
+    """profile_update.py at the cpu preset with tiny networks, batch and chain (flags after --), the whole update
+    only: both runners timed and FLOP-counted, TruDi's update needs more FLOPs than REPPO's (its chain and trust
+    region), and the ratios it reports are those of the rows it wrote."""
     import profile_update
     out = tmp_path / "profile.json"
     res = profile_update.main(["--env", "CartpoleBalance", "--preset", "cpu", "--repeats", "1", "--warm-steps", "0",
